@@ -1,0 +1,184 @@
+"""Daemon configuration: flags, a TOML file and the environment, validated in one place."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._errors import ConfigError
+
+__all__ = ["Config", "RootConfig", "default_socket_path", "load_config"]
+
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def default_socket_path(env: dict[str, str] | None = None) -> str:
+    """Where the daemon listens and clients connect when no path is given.
+
+    ``$CKPTD_SOCKET``, else ``$XDG_RUNTIME_DIR/ckptd.sock``, else ``/run/ckptd/ckptd.sock``
+    as root, else ``/tmp/ckptd-$UID/ckptd.sock``.
+    """
+    env = dict(os.environ) if env is None else env
+    if env.get("CKPTD_SOCKET"):
+        return env["CKPTD_SOCKET"]
+    if env.get("XDG_RUNTIME_DIR"):
+        return os.path.join(env["XDG_RUNTIME_DIR"], "ckptd.sock")
+    if os.getuid() == 0:
+        return "/run/ckptd/ckptd.sock"
+    return f"/tmp/ckptd-{os.getuid()}/ckptd.sock"
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class RootConfig:
+    """One checkpoint root: the only kind of directory the daemon renames in."""
+
+    path: str
+    """Absolute, normalised path of the root, as trainers name it in requests."""
+    tmp_prefix: str = "tmp_step_"
+    """Step N is written into ``<path>/<tmp_prefix>N``."""
+    final_prefix: str = "step_"
+    """Step N is promoted to ``<path>/<final_prefix>N``."""
+    pointer: str = "latest"
+    """Name of the symlink (or ``<pointer>.txt`` fallback) naming the newest promoted step."""
+    real: str = ""
+    """The root with symlinks resolved; filled in by :func:`load_config`."""
+
+    def __post_init__(self) -> None:
+        if not os.path.isabs(self.path) or os.path.normpath(self.path) != self.path:
+            raise ConfigError(
+                f"root {self.path!r} must be an absolute, normalised path (no '..', no "
+                "trailing '/'); write it as os.path.abspath would"
+            )
+        for name in ("tmp_prefix", "final_prefix", "pointer"):
+            value = getattr(self, name)
+            if not value or "/" in value or value in (".", "..") or "\0" in value:
+                raise ConfigError(f"{name} {value!r} of root {self.path} must be a plain name")
+        if self.tmp_prefix.startswith(self.final_prefix) or self.final_prefix.startswith(
+            self.tmp_prefix
+        ):
+            # Otherwise a directory name would not say whether it is promoted.
+            raise ConfigError(
+                f"root {self.path}: tmp_prefix {self.tmp_prefix!r} and final_prefix "
+                f"{self.final_prefix!r} must not be prefixes of each other"
+            )
+
+    def tmp_dir(self, step: int) -> str:
+        """Directory step ``step`` is written into."""
+        return os.path.join(self.path, f"{self.tmp_prefix}{step}")
+
+    def final_dir(self, step: int) -> str:
+        """Directory step ``step`` is promoted to."""
+        return os.path.join(self.path, f"{self.final_prefix}{step}")
+
+    def parse_step(self, name: str, prefix: str) -> int | None:
+        """The step of a directory entry ``name`` with ``prefix``, or None."""
+        digits = name[len(prefix) :] if name.startswith(prefix) else ""
+        return int(digits) if digits.isdigit() and digits.isascii() else None
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    """Everything ``ckptd serve`` needs."""
+
+    socket: str = field(default_factory=default_socket_path)
+    """Path of the Unix socket to listen on (ignored when systemd passes one in)."""
+    roots: tuple[RootConfig, ...] = ()
+    """The configured checkpoint roots."""
+    lease: float = 30.0
+    """Seconds a rank whose connection dropped mid-save has to reconnect and finish."""
+    save_timeout: float | None = 3600.0
+    """Seconds from a save's first begin until an incomplete save fails; None: never."""
+    log_level: str = "info"
+    """Lowest event level written to stdout: debug, info, warning or error."""
+    max_connections: int = 4096
+    """Connections served at once; more are closed on accept with an error line."""
+    socket_mode: int = 0o660
+    """Permission bits of the socket file."""
+
+    def __post_init__(self) -> None:
+        if not self.roots:
+            raise ConfigError("no checkpoint root configured: pass --root DIR (repeatable)")
+        paths = [r.path for r in self.roots]
+        if len(set(paths)) != len(paths):
+            raise ConfigError(f"a root is configured twice: {sorted(paths)}")
+        if not self.lease > 0:
+            raise ConfigError(f"lease must be > 0 seconds, got {self.lease}")
+        if self.save_timeout is not None and not self.save_timeout > 0:
+            raise ConfigError(f"save_timeout must be > 0 seconds, got {self.save_timeout}")
+        if self.log_level not in _LOG_LEVELS:
+            raise ConfigError(f"log_level must be one of {_LOG_LEVELS}, got {self.log_level!r}")
+        if self.max_connections < 1:
+            raise ConfigError(f"max_connections must be >= 1, got {self.max_connections}")
+        if not self.socket or len(os.fsencode(self.socket)) > 107:
+            raise ConfigError(
+                f"socket path {self.socket!r} is empty or longer than the 107 bytes AF_UNIX "
+                "allows; choose a shorter path"
+            )
+
+    def root_for(self, path: str) -> RootConfig | None:
+        """The configured root a request names, by its configured or its resolved path."""
+        for root in self.roots:
+            if path in (root.path, root.real):
+                return root
+        return None
+
+
+def load_config(
+    *,
+    config_file: str | None = None,
+    socket: str | None = None,
+    roots: list[str] | None = None,
+    lease: float | None = None,
+    log_level: str | None = None,
+    env: dict[str, str] | None = None,
+) -> Config:
+    """Merge defaults, the TOML file, the environment and flags (later wins).
+
+    Raises:
+        ConfigError: anything is missing, malformed or points nowhere.
+    """
+    data: dict[str, Any] = {}
+    if config_file is not None:
+        try:
+            with open(config_file, "rb") as fh:
+                data = tomllib.load(fh)
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {config_file}: {exc}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {config_file} is not valid TOML: {exc}") from exc
+    env = dict(os.environ) if env is None else env
+    known = {"socket", "roots", "lease", "save_timeout", "log_level", "max_connections"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown keys in {config_file}: {unknown}; known: {sorted(known)}")
+
+    root_tables: list[dict[str, Any]] = list(data.get("roots", []))
+    root_tables += [{"path": r} for r in roots or []]
+    built = tuple(_root(table, config_file) for table in root_tables)
+
+    kwargs: dict[str, Any] = {k: v for k, v in data.items() if k != "roots"}
+    if "CKPTD_SOCKET" in env and env["CKPTD_SOCKET"]:
+        kwargs["socket"] = env["CKPTD_SOCKET"]
+    elif "socket" not in kwargs:
+        kwargs["socket"] = default_socket_path(env)
+    flags = {"socket": socket, "lease": lease, "log_level": log_level}
+    kwargs.update({k: v for k, v in flags.items() if v is not None})
+    try:
+        return Config(roots=built, **kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"bad value in {config_file}: {exc}") from exc
+
+
+def _root(table: dict[str, Any], source: str | None) -> RootConfig:
+    if not isinstance(table, dict) or "path" not in table:
+        raise ConfigError(f"each [[roots]] entry in {source} needs a path")
+    path = os.path.abspath(os.path.expanduser(str(table["path"])))
+    if not os.path.isdir(path):
+        raise ConfigError(f"root {path} is not an existing directory; create it first")
+    extra = {k: v for k, v in table.items() if k != "path"}
+    try:
+        return RootConfig(path=path, real=os.path.realpath(path), **extra)
+    except TypeError as exc:
+        raise ConfigError(f"root {path}: {exc}") from exc

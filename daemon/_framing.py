@@ -1,0 +1,56 @@
+"""Splitting a byte stream into bounded lines.
+
+A line longer than the bound is discarded up to its newline and reported once, so a
+client that sends one oversized request keeps its connection and its later requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Final
+
+import anyio
+from anyio.abc import ByteReceiveStream
+
+__all__ = ["TOO_LONG", "read_lines"]
+
+TOO_LONG: Final = b""
+"""Yielded in place of a line that exceeded the bound (real lines are never empty)."""
+
+_CHUNK: Final = 65536
+
+
+async def read_lines(stream: ByteReceiveStream, max_line: int) -> AsyncIterator[bytes]:
+    """Yield each newline-terminated line (newline stripped) of ``stream``.
+
+    Blank lines are skipped. A line longer than ``max_line`` bytes (newline included)
+    yields :data:`TOO_LONG` once its end arrives; the bytes in between are dropped as
+    they come, so memory stays bounded by ``max_line`` plus one chunk. An unterminated
+    tail at end of stream is dropped.
+    """
+    buf = bytearray()
+    scanned = 0
+    discarding = False
+    while True:
+        try:
+            chunk = await stream.receive(_CHUNK)
+        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            return
+        buf += chunk
+        while True:
+            nl = buf.find(b"\n", scanned)
+            if nl < 0:
+                scanned = len(buf)
+                if len(buf) >= max_line:
+                    buf.clear()
+                    scanned = 0
+                    discarding = True
+                break
+            line = bytes(buf[:nl])
+            del buf[: nl + 1]
+            scanned = 0
+            if discarding or nl + 1 > max_line:
+                discarding = False
+                yield TOO_LONG
+            elif line.strip():
+                yield line

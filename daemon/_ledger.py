@@ -1,0 +1,409 @@
+"""The ledger: every in-flight save as a pure state machine.
+
+No I/O and no clock: the server passes the time in and carries out the returned effects
+(emit an event, start verification, wake waiters). Every input is one method call, so a
+journal can record the calls and replay them to rebuild the same ledger.
+
+A save is keyed by ``(root, step)``. Its ranks are the writers the daemon has heard from;
+it becomes ``VERIFYING`` only when ranks ``0..world_size-1`` have all begun and are all
+done. A save that fails never leaves ``FAILED``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from orchestrator.protocol import ErrorCode, FileEntry, RankState, SaveState
+
+from ._errors import RequestError
+
+__all__ = ["Effect", "Emit", "Ledger", "RankRecord", "SaveKey", "SaveRecord", "Settled", "Verify"]
+
+_TERMINAL = frozenset({SaveState.PROMOTED, SaveState.FAILED})
+
+
+class SaveKey(NamedTuple):
+    """Identity of one checkpoint: its configured root and its step."""
+
+    root: str
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class Emit:
+    """Effect: log and publish the event ``name`` with ``fields``."""
+
+    name: str
+    fields: dict[str, Any]
+    level: str = "info"
+
+
+@dataclass(frozen=True, slots=True)
+class Verify:
+    """Effect: every rank is done; verify the save's files and, if sound, promote it."""
+
+    key: SaveKey
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """Effect: the save reached a terminal state; wake whoever waits for it."""
+
+    key: SaveKey
+
+
+Effect = Emit | Verify | Settled
+
+
+@dataclass(slots=True)
+class RankRecord:
+    """One writer of a save."""
+
+    state: RankState
+    begun_at: float
+    conn: int | None
+    lease_deadline: float | None = None
+    files: tuple[FileEntry, ...] = ()
+    reason: str | None = None
+
+
+@dataclass(slots=True)
+class SaveRecord:
+    """One checkpoint step and its writers."""
+
+    key: SaveKey
+    world_size: int
+    first_begin: float
+    deadline: float | None
+    state: SaveState = SaveState.OPEN
+    ranks: dict[int, RankRecord] = field(default_factory=dict)
+    reason: str | None = None
+    path: str | None = None
+    settled_at: float | None = None
+
+    def missing_ranks(self) -> list[int]:
+        """Ranks that have not begun, or have begun but are not done."""
+        return [
+            r
+            for r in range(self.world_size)
+            if r not in self.ranks or self.ranks[r].state is not RankState.DONE
+        ]
+
+    def reported_files(self) -> dict[int, tuple[FileEntry, ...]]:
+        """The files each rank listed in its ``done``."""
+        return {rank: rec.files for rank, rec in sorted(self.ranks.items())}
+
+
+class Ledger:
+    """Tracks every save the daemon knows and decides when one may be promoted.
+
+    Args:
+        lease: Seconds a rank whose connection closed mid-save has to reconnect and
+            finish before the save fails.
+        save_timeout: Seconds from a save's first ``begin`` until, if still incomplete,
+            it fails; None disables the limit.
+        history: Settled saves kept for ``status``/``wait``; the oldest are dropped first.
+    """
+
+    def __init__(self, *, lease: float, save_timeout: float | None, history: int = 4096) -> None:
+        self._lease = lease
+        self._save_timeout = save_timeout
+        self._history = history
+        self._saves: dict[SaveKey, SaveRecord] = {}
+        self._settled: deque[SaveKey] = deque()
+        self._by_conn: dict[int, set[tuple[SaveKey, int]]] = {}
+
+    # -- queries ---------------------------------------------------------------------
+
+    def get(self, key: SaveKey) -> SaveRecord | None:
+        """The save for ``key``, if known."""
+        return self._saves.get(key)
+
+    def __iter__(self) -> Iterator[SaveRecord]:
+        return iter(list(self._saves.values()))
+
+    def __len__(self) -> int:
+        return len(self._saves)
+
+    def next_deadline(self) -> float | None:
+        """The earliest instant at which :meth:`tick` has something to do."""
+        best: float | None = None
+        for save in self._saves.values():
+            if save.state is not SaveState.OPEN:
+                continue
+            for t in (save.deadline, *(r.lease_deadline for r in save.ranks.values())):
+                if t is not None and (best is None or t < best):
+                    best = t
+        return best
+
+    # -- inputs from ranks -------------------------------------------------------------
+
+    def begin(
+        self, key: SaveKey, rank: int, world_size: int, conn: int | None, now: float
+    ) -> list[Effect]:
+        """A rank announces it is about to write the step.
+
+        Idempotent: a repeated ``begin`` (e.g. after a reconnect) re-attaches the rank to
+        ``conn`` and cancels its lease.
+
+        Raises:
+            RequestError: rank out of range, world size mismatch, step promoted or failed.
+        """
+        if rank >= world_size:
+            raise RequestError(
+                ErrorCode.RANK_OUT_OF_RANGE, f"rank {rank} is not below world_size {world_size}"
+            )
+        save = self._saves.get(key)
+        if save is None:
+            deadline = None if self._save_timeout is None else now + self._save_timeout
+            save = SaveRecord(key=key, world_size=world_size, first_begin=now, deadline=deadline)
+            self._saves[key] = save
+        if save.world_size != world_size:
+            raise RequestError(
+                ErrorCode.WORLD_SIZE_MISMATCH,
+                f"step {key.step} has world_size {save.world_size}, not {world_size}",
+            )
+        self._refuse_settled(save)
+        record = save.ranks.get(rank)
+        if record is not None:
+            return self._reattach(save, rank, record, conn)
+        if save.state is not SaveState.OPEN:  # pragma: no cover - all ranks have begun then
+            raise RequestError(ErrorCode.INVALID_STATE, f"step {key.step} is {save.state}")
+        save.ranks[rank] = RankRecord(state=RankState.WRITING, begun_at=now, conn=conn)
+        self._attach(conn, key, rank)
+        return [Emit("save.begun", {**_ids(key, rank), "world_size": world_size})]
+
+    def done(
+        self,
+        key: SaveKey,
+        rank: int,
+        files: Sequence[FileEntry],
+        conn: int | None,
+        now: float,
+    ) -> list[Effect]:
+        """A rank's writes have all landed. Idempotent once accepted.
+
+        Raises:
+            RequestError: the rank never began, already failed, or the step failed.
+        """
+        save, record = self._rank(key, rank)
+        if record.state is RankState.DONE:
+            return []
+        if save.state is SaveState.FAILED:
+            raise RequestError(ErrorCode.STEP_FAILED, f"step {key.step} failed: {save.reason}")
+        if record.state is RankState.FAILED:  # pragma: no cover - a failed rank fails the save
+            raise RequestError(ErrorCode.INVALID_STATE, f"rank {rank} already failed")
+        record.state = RankState.DONE
+        record.files = tuple(files)
+        record.lease_deadline = None
+        self._detach(record.conn, key, rank)
+        record.conn = conn
+        effects: list[Effect] = [
+            Emit(
+                "save.rank_done",
+                {**_ids(key, rank), "files": len(files), "bytes": sum(f.size for f in files)},
+            )
+        ]
+        if not save.missing_ranks():
+            save.state = SaveState.VERIFYING
+            effects.append(Verify(key))
+        return effects
+
+    def fail(self, key: SaveKey, rank: int, reason: str, now: float) -> list[Effect]:
+        """A rank's save failed: the step fails and is never promoted.
+
+        Raises:
+            RequestError: the rank never began, the step is promoted or being promoted,
+                or the rank already reported success.
+        """
+        save, record = self._rank(key, rank)
+        if save.state is SaveState.FAILED:
+            return []
+        if save.state in (SaveState.PROMOTED, SaveState.PROMOTING):
+            raise RequestError(
+                ErrorCode.ALREADY_PROMOTED, f"step {key.step} is {save.state}; too late to fail it"
+            )
+        if record.state is RankState.DONE:
+            raise RequestError(ErrorCode.INVALID_STATE, f"rank {rank} already reported done")
+        return self._fail_rank(save, rank, record, f"rank {rank} failed: {reason}", now)
+
+    def disconnect(self, conn: int, now: float) -> list[Effect]:
+        """A connection closed: each rank it held mid-save starts its lease."""
+        effects: list[Effect] = []
+        for key, rank in sorted(self._by_conn.pop(conn, set())):
+            save = self._saves.get(key)
+            record = None if save is None else save.ranks.get(rank)
+            if save is None or record is None or record.conn != conn:
+                continue
+            record.conn = None
+            if save.state is SaveState.OPEN and record.state is RankState.WRITING:
+                record.lease_deadline = now + self._lease
+                effects.append(
+                    Emit("save.rank_disconnected", {**_ids(key, rank), "lease_s": self._lease})
+                )
+        return effects
+
+    def tick(self, now: float) -> list[Effect]:
+        """Fail every save whose lease or deadline has passed at ``now``."""
+        effects: list[Effect] = []
+        for save in list(self._saves.values()):
+            if save.state is not SaveState.OPEN:
+                continue
+            for rank, record in sorted(save.ranks.items()):
+                if record.lease_deadline is not None and record.lease_deadline <= now:
+                    reason = (
+                        f"rank {rank} disconnected and did not reconnect within its "
+                        f"{self._lease:g}s lease"
+                    )
+                    effects += self._fail_rank(save, rank, record, reason, now)
+                    break
+            else:
+                if save.deadline is not None and save.deadline <= now:
+                    reason = (
+                        f"timed out after {now - save.first_begin:.1f}s; "
+                        f"ranks not done: {_ranges(save.missing_ranks())}"
+                    )
+                    effects += self._fail_save(save, reason, now)
+        return effects
+
+    # -- inputs from the promoter ------------------------------------------------------
+
+    def verified(self, key: SaveKey) -> list[Effect]:
+        """Verification passed: the save is about to be renamed."""
+        save = self._require(key, SaveState.VERIFYING)
+        save.state = SaveState.PROMOTING
+        return [Emit("checkpoint.promoting", {"root": key.root, "step": key.step})]
+
+    def promoted(self, key: SaveKey, path: str, now: float, **fields: Any) -> list[Effect]:
+        """The rename is durable: the save is a checkpoint."""
+        save = self._require(key, SaveState.PROMOTING)
+        save.state = SaveState.PROMOTED
+        save.path = path
+        self._settle(save, now)
+        event = {
+            "root": key.root,
+            "step": key.step,
+            "path": path,
+            **fields,
+            "duration_s": round(now - save.first_begin, 6),
+        }
+        return [Emit("checkpoint.promoted", event), Settled(key)]
+
+    def rejected(self, key: SaveKey, reason: str, now: float) -> list[Effect]:
+        """Verification or promotion failed: the save fails and is never promoted.
+
+        A save already failed by a rank while it was being verified stays as it is.
+        """
+        save = self._saves.get(key)
+        if save is None or save.state in _TERMINAL:
+            return []
+        return self._fail_save(save, reason, now)
+
+    def forget(self, key: SaveKey) -> None:
+        """Drop a settled save (its files were removed by ``gc``)."""
+        save = self._saves.get(key)
+        if save is not None and save.state in _TERMINAL:
+            del self._saves[key]
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _rank(self, key: SaveKey, rank: int) -> tuple[SaveRecord, RankRecord]:
+        save = self._saves.get(key)
+        record = None if save is None else save.ranks.get(rank)
+        if save is None or record is None:
+            raise RequestError(
+                ErrorCode.NOT_BEGUN, f"rank {rank} has not begun step {key.step} of {key.root}"
+            )
+        return save, record
+
+    def _require(self, key: SaveKey, state: SaveState) -> SaveRecord:
+        save = self._saves.get(key)
+        if save is None or save.state is not state:
+            found = "unknown" if save is None else save.state
+            raise RuntimeError(f"save {key} is {found}, expected {state}")
+        return save
+
+    def _refuse_settled(self, save: SaveRecord) -> None:
+        if save.state is SaveState.PROMOTED:
+            raise RequestError(
+                ErrorCode.ALREADY_PROMOTED, f"step {save.key.step} is already promoted"
+            )
+        if save.state is SaveState.FAILED:
+            raise RequestError(
+                ErrorCode.STEP_FAILED,
+                f"step {save.key.step} failed ({save.reason}); save under a new step, "
+                "or clear it with `ckptd gc ROOT --yes`",
+            )
+
+    def _reattach(
+        self, save: SaveRecord, rank: int, record: RankRecord, conn: int | None
+    ) -> list[Effect]:
+        if record.conn == conn:
+            return []
+        self._detach(record.conn, save.key, rank)
+        record.conn = conn
+        self._attach(conn, save.key, rank)
+        if record.lease_deadline is None:
+            return []
+        record.lease_deadline = None
+        return [Emit("save.rank_reconnected", _ids(save.key, rank))]
+
+    def _attach(self, conn: int | None, key: SaveKey, rank: int) -> None:
+        if conn is not None:
+            self._by_conn.setdefault(conn, set()).add((key, rank))
+
+    def _detach(self, conn: int | None, key: SaveKey, rank: int) -> None:
+        if conn is not None and conn in self._by_conn:
+            self._by_conn[conn].discard((key, rank))
+
+    def _fail_rank(
+        self, save: SaveRecord, rank: int, record: RankRecord, reason: str, now: float
+    ) -> list[Effect]:
+        record.state = RankState.FAILED
+        record.reason = reason
+        record.lease_deadline = None
+        effects: list[Effect] = [
+            Emit("save.rank_failed", {**_ids(save.key, rank), "reason": reason}, "warning")
+        ]
+        return effects + self._fail_save(save, reason, now)
+
+    def _fail_save(self, save: SaveRecord, reason: str, now: float) -> list[Effect]:
+        save.state = SaveState.FAILED
+        save.reason = reason
+        for record in save.ranks.values():
+            record.lease_deadline = None
+        self._settle(save, now)
+        event = {"root": save.key.root, "step": save.key.step, "reason": reason}
+        return [Emit("checkpoint.failed", event, "error"), Settled(save.key)]
+
+    def _settle(self, save: SaveRecord, now: float) -> None:
+        save.settled_at = now
+        for rank, record in save.ranks.items():
+            self._detach(record.conn, save.key, rank)
+        self._settled.append(save.key)
+        while len(self._settled) > self._history:
+            old = self._settled.popleft()
+            self._saves.pop(old, None)
+
+
+def _ids(key: SaveKey, rank: int) -> dict[str, Any]:
+    return {"root": key.root, "step": key.step, "rank": rank}
+
+
+def _ranges(ranks: list[int]) -> str:
+    """Compact ``0-3,7`` form, so a 1,000-rank job's event stays short."""
+    parts: list[str] = []
+    start = prev = None
+    for r in ranks:
+        if prev is not None and r == prev + 1:
+            prev = r
+            continue
+        if start is not None:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = r
+    if start is not None:
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+    return ",".join(parts)

@@ -1,0 +1,189 @@
+"""Promotion: make a verified save durable, rename it into place, move the pointer.
+
+Blocking filesystem work; the server runs it in a worker thread inside a shielded scope
+so that cancellation never stops it halfway. Every write goes through :class:`Storage`,
+so tests and fault injection can put a real failing filesystem (or an injected errno)
+behind it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Final, Protocol
+
+import msgspec
+
+from ._config import RootConfig
+from ._errors import PromotionError
+from ._verify import MANIFEST_NAME, Manifest
+
+__all__ = ["LocalStorage", "Promotion", "Storage", "promote", "read_pointer"]
+
+_AT_FDCWD: Final = -100
+_RENAME_NOREPLACE: Final = 1
+
+
+class Storage(Protocol):
+    """The filesystem writes promotion makes."""
+
+    def fsync(self, path: str, *, directory: bool = False) -> None:
+        """Flush ``path`` (a file, or a directory's entries) to stable storage."""
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        """Write ``data`` to ``path`` durably: temp file, fsync, rename, fsync the dir."""
+
+    def rename_noreplace(self, src: str, dst: str) -> None:
+        """Rename ``src`` to ``dst``; fail with ``FileExistsError`` if ``dst`` exists."""
+
+    def replace_symlink(self, target: str, path: str) -> None:
+        """Atomically make ``path`` a symlink to ``target``."""
+
+
+class LocalStorage:
+    """:class:`Storage` on the local (POSIX) filesystem."""
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._renameat2 = getattr(libc, "renameat2", None)
+
+    def fsync(self, path: str, *, directory: bool = False) -> None:
+        """See :meth:`Storage.fsync`."""
+        flags = os.O_RDONLY | (os.O_DIRECTORY if directory else 0)
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        """See :meth:`Storage.write_atomic`."""
+        tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(fd)
+        os.replace(tmp, path)
+        self.fsync(os.path.dirname(path), directory=True)
+
+    def rename_noreplace(self, src: str, dst: str) -> None:
+        """See :meth:`Storage.rename_noreplace`."""
+        if self._renameat2 is not None:
+            rc = self._renameat2(
+                _AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE
+            )
+            if rc == 0:
+                return
+            err = ctypes.get_errno()
+            if err not in (errno.ENOSYS, errno.EINVAL):
+                raise OSError(err, os.strerror(err), src, None, dst)
+        # Filesystems without RENAME_NOREPLACE (some NFS): the daemon serialises renames
+        # per root, so no other writer can create dst between the check and the rename.
+        if os.path.lexists(dst):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
+        os.rename(src, dst)
+
+    def replace_symlink(self, target: str, path: str) -> None:
+        """See :meth:`Storage.replace_symlink`."""
+        tmp = os.path.join(
+            os.path.dirname(path), f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp"
+        )
+        os.symlink(target, tmp)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+
+
+@dataclass(frozen=True, slots=True)
+class Promotion:
+    """What a promotion did."""
+
+    path: str
+    pointer_moved: bool
+
+
+def promote(storage: Storage, root: RootConfig, step: int, manifest: Manifest) -> Promotion:
+    """Make step ``step`` of ``root`` a checkpoint. Call only after verification.
+
+    Order: write the manifest; fsync every file and directory of the save; one
+    ``rename(tmp_step_N, step_N)`` that never replaces; fsync the root; move the pointer
+    if this is the newest step.
+
+    Raises:
+        PromotionError: a filesystem step failed; which one is in the message. If the
+            rename itself did not happen, nothing is visible and the tmp dir is intact.
+    """
+    tmp, final = root.tmp_dir(step), root.final_dir(step)
+    stage = "write manifest"
+    try:
+        storage.write_atomic(os.path.join(tmp, MANIFEST_NAME), msgspec.json.encode(manifest))
+        stage = "fsync"
+        for rel in manifest.files:
+            storage.fsync(os.path.join(tmp, rel))
+        for rel in manifest.dirs:  # deepest first, the save's own directory last
+            storage.fsync(os.path.normpath(os.path.join(tmp, rel)), directory=True)
+        stage = "rename"
+        storage.rename_noreplace(tmp, final)
+        stage = "fsync root"
+        storage.fsync(root.path, directory=True)
+        stage = "move pointer"
+        moved = _advance_pointer(storage, root, step)
+    except OSError as exc:
+        raise PromotionError(
+            exc.errno or errno.EIO, f"{stage} failed for {tmp}: {exc.strerror or exc}"
+        ) from exc
+    return Promotion(path=final, pointer_moved=moved)
+
+
+def read_pointer(root: RootConfig) -> int | None:
+    """The step the root's pointer names, or None if there is no valid pointer."""
+    link = os.path.join(root.path, root.pointer)
+    try:
+        target = os.readlink(link)
+    except FileNotFoundError:
+        target = ""
+    except OSError:  # EINVAL: a plain file where the symlink would be
+        target = ""
+    if not target:
+        try:
+            with open(f"{link}.txt", encoding="utf-8") as fh:
+                target = fh.read(4096).strip()
+        except (OSError, UnicodeError):
+            return None
+    name = os.path.basename(os.path.normpath(target))
+    if os.path.dirname(os.path.normpath(target)) not in ("", root.path):
+        return None
+    return root.parse_step(name, root.final_prefix)
+
+
+def _advance_pointer(storage: Storage, root: RootConfig, step: int) -> bool:
+    current = read_pointer(root)
+    if current is not None and current > step and os.path.isdir(root.final_dir(current)):
+        return False
+    link = os.path.join(root.path, root.pointer)
+    target = os.path.basename(root.final_dir(step))
+    try:
+        storage.replace_symlink(target, link)
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS):
+            raise
+        # Filesystems without symlinks: the same ``NAME.txt`` fallback nemo_automodel reads.
+        storage.write_atomic(f"{link}.txt", f"{target}\n".encode())
+    else:
+        text = f"{link}.txt"
+        if os.path.lexists(text):
+            os.unlink(text)
+    storage.fsync(root.path, directory=True)
+    return True

@@ -1,0 +1,179 @@
+"""Proof that a save is complete on disk, and the manifest that records it.
+
+Blocking filesystem reads only; the server runs these in worker threads. Nothing here
+unpickles or imports torch: DCP ``.metadata`` is parsed by :mod:`daemon._dcpmeta`.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from datetime import UTC, datetime
+from typing import Final
+
+import msgspec
+
+from orchestrator.protocol import FileEntry
+
+from ._config import RootConfig
+from ._dcpmeta import check_dcp_dir
+from ._errors import VerificationError
+
+__all__ = ["MANIFEST_NAME", "Manifest", "scan_save", "verify_checkpoint"]
+
+MANIFEST_NAME: Final = ".ckptd-manifest.json"
+"""Written inside every promoted checkpoint; ``ckptd verify`` checks against it."""
+
+_MAX_FILES: Final = 1_000_000
+_MAX_PROBLEMS: Final = 20
+
+
+class Manifest(msgspec.Struct, frozen=True, kw_only=True):
+    """What a promoted checkpoint held at promotion: every file and its size."""
+
+    format: str = "ckptd-manifest/1"
+    root: str
+    step: int
+    world_size: int
+    created: str
+    bytes: int
+    files: dict[str, int]
+    """Every regular file, relative to the checkpoint directory, with its size."""
+    dirs: list[str]
+    """Every directory, relative (``.`` is the checkpoint itself), deepest first."""
+    dcp_dirs: list[str]
+    """Directories holding DCP shards; each had a ``.metadata`` covering its shards."""
+    ranks: dict[str, list[str]] = msgspec.field(default_factory=dict)
+    """The files each rank reported in its ``done``."""
+
+
+def scan_save(
+    root: RootConfig, step: int, world_size: int, reported: dict[int, tuple[FileEntry, ...]]
+) -> Manifest:
+    """Check that ``tmp_step_N`` holds a complete checkpoint; describe it.
+
+    Checks: the tmp directory is a real directory inside the root; it holds no symlink
+    leading outside it and no special files; every file a rank reported exists with at
+    least its size; every directory with ``*.distcp`` shards has a ``.metadata`` whose
+    referenced shards exist with the sizes it records.
+
+    Raises:
+        VerificationError: with every problem found (up to a bound), one per line.
+    """
+    tmp = root.tmp_dir(step)
+    real_tmp = _checked_tmp(root, tmp)
+    files: dict[str, int] = {}
+    dirs: list[str] = []
+    dcp_dirs: list[str] = []
+    problems: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(tmp, topdown=False, onerror=_raise):
+        rel_dir = os.path.relpath(dirpath, tmp)
+        dirs.append(rel_dir)
+        has_shards = False
+        for name in (*filenames, *dirnames):
+            path = os.path.join(dirpath, name)
+            rel = os.path.normpath(os.path.join(rel_dir, name))
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode):
+                if not _inside(os.path.realpath(path), real_tmp):
+                    problems.append(f"{rel}: symlink to {os.readlink(path)!r} leaves the save")
+            elif stat.S_ISREG(st.st_mode):
+                if rel != MANIFEST_NAME:
+                    files[rel] = st.st_size
+                has_shards = has_shards or name.endswith(".distcp")
+            elif not stat.S_ISDIR(st.st_mode):
+                problems.append(f"{rel}: not a regular file or directory")
+        if has_shards:
+            dcp_dirs.append(rel_dir)
+            problems += [_join(rel_dir, p) for p in check_dcp_dir(dirpath)]
+        if len(files) > _MAX_FILES:
+            raise VerificationError(f"{tmp} holds more than {_MAX_FILES} files")
+    for rank, entries in sorted(reported.items()):
+        for entry in entries:
+            size = files.get(os.path.normpath(entry.path))
+            if size is None:
+                problems.append(f"{entry.path}: reported by rank {rank} but missing")
+            elif size < entry.size:
+                problems.append(
+                    f"{entry.path}: {size} bytes on disk, rank {rank} reported {entry.size}"
+                )
+    if problems:
+        more = len(problems) - _MAX_PROBLEMS
+        shown = problems[:_MAX_PROBLEMS] + ([f"... and {more} more"] if more > 0 else [])
+        raise VerificationError("; ".join(shown))
+    return Manifest(
+        root=root.path,
+        step=step,
+        world_size=world_size,
+        created=datetime.now(UTC).isoformat(),
+        bytes=sum(files.values()),
+        files=dict(sorted(files.items())),
+        dirs=dirs,
+        dcp_dirs=sorted(dcp_dirs),
+        ranks={str(r): [e.path for e in es] for r, es in sorted(reported.items())},
+    )
+
+
+def verify_checkpoint(path: str) -> list[str]:
+    """Offline check of a promoted checkpoint against its manifest.
+
+    Returns:
+        Problems found; empty when every recorded file is present with its recorded
+        size and every DCP directory's ``.metadata`` is satisfied.
+    """
+    manifest_path = os.path.join(path, MANIFEST_NAME)
+    try:
+        with open(manifest_path, "rb") as fh:
+            manifest = msgspec.json.decode(fh.read(), type=Manifest)
+    except FileNotFoundError:
+        return [f"{manifest_path}: missing (not promoted by ckptd?)"]
+    except (OSError, msgspec.DecodeError) as exc:
+        return [f"{manifest_path}: unreadable: {exc}"]
+    problems: list[str] = []
+    real = os.path.realpath(path)
+    for rel, size in manifest.files.items():
+        full = os.path.join(path, rel)
+        if not _inside(os.path.realpath(full), real):
+            problems.append(f"{rel}: leaves the checkpoint")
+            continue
+        try:
+            actual = os.stat(full).st_size
+        except OSError as exc:
+            problems.append(f"{rel}: {exc.strerror or exc}")
+            continue
+        if actual != size:
+            problems.append(f"{rel}: {actual} bytes, manifest records {size}")
+    for rel_dir in manifest.dcp_dirs:
+        full = os.path.normpath(os.path.join(path, rel_dir))
+        if not _inside(os.path.realpath(full), real):
+            problems.append(f"{rel_dir}: leaves the checkpoint")
+            continue
+        problems += [_join(rel_dir, p) for p in check_dcp_dir(full)]
+    return problems
+
+
+def _checked_tmp(root: RootConfig, tmp: str) -> str:
+    try:
+        st = os.lstat(tmp)
+    except FileNotFoundError:
+        raise VerificationError(f"{tmp} does not exist") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise VerificationError(f"{tmp} is a symlink; refusing to promote through it")
+    if not stat.S_ISDIR(st.st_mode):
+        raise VerificationError(f"{tmp} is not a directory")
+    real_tmp = os.path.realpath(tmp)
+    if os.path.dirname(real_tmp) != os.path.realpath(root.path):
+        raise VerificationError(f"{tmp} resolves to {real_tmp}, outside root {root.path}")
+    return real_tmp
+
+
+def _inside(real: str, real_base: str) -> bool:
+    return real == real_base or real.startswith(real_base + os.sep)
+
+
+def _join(rel_dir: str, problem: str) -> str:
+    return problem if rel_dir == "." else f"{rel_dir}/{problem}"
+
+
+def _raise(exc: OSError) -> None:
+    raise VerificationError(f"cannot read {exc.filename}: {exc.strerror}") from exc

@@ -1,0 +1,38 @@
+"""Trainer-side ckptd: the daemon client and the glue from DCP async saves to it.
+
+Importing this package is light (no torch): :func:`async_save` loads torch on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ._client import Begun, CheckpointClient, DaemonError, default_socket_path
+from ._tracking import SaveHandle, files_from_metadata
+from .protocol import FileEntry
+
+if TYPE_CHECKING:
+    from ._dcp import async_save, checkpoint_group, default_client
+
+__all__ = [
+    "Begun",
+    "CheckpointClient",
+    "DaemonError",
+    "FileEntry",
+    "SaveHandle",
+    "async_save",
+    "checkpoint_group",
+    "default_client",
+    "default_socket_path",
+    "files_from_metadata",
+]
+
+_TORCH_NAMES = frozenset({"async_save", "checkpoint_group", "default_client"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TORCH_NAMES:
+        from . import _dcp
+
+        return getattr(_dcp, name)
+    raise AttributeError(f"module 'orchestrator' has no attribute {name!r}")

@@ -1,0 +1,400 @@
+"""The trainer-side connection to the node's ckptd daemon.
+
+A background thread runs a small asyncio loop that owns the socket, reconnects with
+backoff and re-sends what the daemon has not acknowledged. Calls from the training
+thread only hand a message to that loop: ``done`` and ``fail`` cost microseconds, and
+``begin`` waits for its acknowledgement at most ``begin_timeout`` seconds (not at all
+while the daemon is known to be down).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import os
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgspec
+
+from . import protocol as p
+from ._tracking import SaveHandle
+
+__all__ = ["Begun", "CheckpointClient", "DaemonError", "default_socket_path"]
+
+log = logging.getLogger("orchestrator")
+
+_MAX_UNACKED: Final = 100_000
+_BACKOFF_START: Final = 0.05
+
+
+def default_socket_path() -> str:
+    """The daemon's socket: ``$CKPTD_SOCKET``, else the daemon's default location."""
+    if os.environ.get("CKPTD_SOCKET"):
+        return os.environ["CKPTD_SOCKET"]
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return os.path.join(os.environ["XDG_RUNTIME_DIR"], "ckptd.sock")
+    if os.getuid() == 0:
+        return "/run/ckptd/ckptd.sock"
+    return f"/tmp/ckptd-{os.getuid()}/ckptd.sock"
+
+
+class DaemonError(RuntimeError):
+    """Raised by the blocking query calls when the daemon refuses or cannot be reached.
+
+    Attributes:
+        code: The daemon's error code, or ``"unreachable"``/``"timeout"``.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class Begun:
+    """Outcome of :meth:`CheckpointClient.begin`.
+
+    Attributes:
+        path: Directory to write the step into.
+        acknowledged: The daemon confirmed the save; it will promote it when complete.
+        error: Why the daemon refused, if it did (the save will not be promoted).
+    """
+
+    path: str
+    acknowledged: bool
+    error: p.ErrorInfo | None = None
+
+
+@dataclass(slots=True)
+class _Outgoing:
+    message: p.Request
+    future: concurrent.futures.Future[dict[str, Any]] | None = None
+    line: bytes = b""
+
+
+class CheckpointClient:
+    """Connection from one training process to its node's daemon.
+
+    Thread-safe. Create one per process and share it. Nothing here blocks the caller for
+    longer than ``begin_timeout``; if the daemon is down, calls return at once, the client
+    logs one warning, keeps trying to reconnect in the background, and re-sends every
+    save it was told about once the daemon is back.
+
+    Args:
+        socket_path: The daemon's socket; default :func:`default_socket_path`.
+        begin_timeout: Longest wait for a ``begin`` acknowledgement, in seconds.
+        reconnect_max: Longest pause between reconnection attempts, in seconds.
+    """
+
+    def __init__(
+        self,
+        socket_path: str | None = None,
+        *,
+        begin_timeout: float = 2.0,
+        reconnect_max: float = 2.0,
+    ) -> None:
+        self.socket_path = socket_path or default_socket_path()
+        self.begin_timeout = begin_timeout
+        self._reconnect_max = reconnect_max
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._unacked: dict[int, _Outgoing] = {}
+        self._saves: dict[tuple[str, int, int], int] = {}
+        self._writer: asyncio.StreamWriter | None = None
+        self._connected = threading.Event()
+        self._attempted = threading.Event()
+        self._warned = False
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="ckptd-client", daemon=True)
+        self._thread.start()
+
+    # -- training-thread API -----------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        """Whether the client currently holds a connection to the daemon."""
+        return self._connected.is_set()
+
+    def begin(self, root: str, step: int, rank: int, world_size: int) -> Begun:
+        """Tell the daemon this rank is about to write ``step`` under ``root``.
+
+        Waits for the acknowledgement up to ``begin_timeout`` (not at all while the
+        daemon is unreachable). Whatever happens, the begin is remembered and re-sent
+        after a reconnect.
+
+        Returns:
+            Where to write, and whether the daemon acknowledged.
+        """
+        key = (root, step, rank)
+        with self._lock:
+            self._saves.setdefault(key, world_size)
+        future = self._submit(p.Begin(id=0, root=root, step=step, rank=rank, world_size=world_size))
+        fallback = os.path.join(root, f"tmp_step_{step}")
+        self._attempted.wait(self.begin_timeout)
+        if not self._connected.is_set():
+            return Begun(path=fallback, acknowledged=False)
+        try:
+            reply = future.result(timeout=self.begin_timeout)
+        except concurrent.futures.TimeoutError:
+            log.warning(
+                "ckptd: begin for step %s not acknowledged within %ss", step, self.begin_timeout
+            )
+            return Begun(path=fallback, acknowledged=False)
+        if not reply.get("ok"):
+            error = msgspec.convert(reply["error"], p.ErrorInfo)
+            log.warning(
+                "ckptd refused step %s of %s (%s): %s; it will not be promoted",
+                step,
+                root,
+                error.code,
+                error.message,
+            )
+            return Begun(path=fallback, acknowledged=False, error=error)
+        return Begun(path=str(reply["path"]), acknowledged=True)
+
+    def done(self, root: str, step: int, rank: int, files: Iterable[p.FileEntry] = ()) -> None:
+        """Report that this rank's writes for ``step`` have all landed. Never blocks."""
+        self._submit(p.Done(id=0, root=root, step=step, rank=rank, files=list(files)))
+
+    def fail(self, root: str, step: int, rank: int, reason: str) -> None:
+        """Report that this rank's save of ``step`` failed. Never blocks."""
+        self._submit(p.Fail(id=0, root=root, step=step, rank=rank, reason=reason[:4000]))
+
+    def save(self, root: str, step: int, rank: int, world_size: int) -> SaveHandle:
+        """Begin a save and return the handle its futures are added to.
+
+        Call this before the save starts writing; add each future with
+        :meth:`SaveHandle.add`, then :meth:`SaveHandle.seal`.
+        """
+        return SaveHandle(self, root, step, rank, self.begin(root, step, rank, world_size))
+
+    def track(
+        self,
+        root: str,
+        step: int,
+        rank: int,
+        world_size: int,
+        futures: Any,
+        *,
+        dcp_dir: str | None = None,
+        group_rank: int | None = None,
+    ) -> SaveHandle:
+        """Begin (if not yet begun) and track every future of one rank's save of a step.
+
+        Args:
+            root: The checkpoint root.
+            step: The step.
+            rank: This rank.
+            world_size: Number of ranks writing the step.
+            futures: A future, an ``AsyncSaveResponse``, or a list of them; ``done`` is
+                sent once all of them succeeded, ``fail`` as soon as one fails.
+            dcp_dir: DCP directory of the futures, relative to the tmp dir, to report
+                the shard files from the save's metadata.
+            group_rank: This rank in the checkpoint process group (default ``rank``).
+
+        Returns:
+            The sealed handle.
+        """
+        handle = self.save(root, step, rank, world_size)
+        for future in futures if isinstance(futures, list | tuple) else [futures]:
+            handle.add(future, dcp_dir=dcp_dir, group_rank=group_rank)
+        handle.seal()
+        return handle
+
+    # -- blocking queries (tools and tests; not for the training loop) -------------------
+
+    def call(self, request: p.Request, timeout: float = 10.0) -> dict[str, Any]:
+        """Send one request and wait for its reply.
+
+        Returns:
+            The reply object.
+
+        Raises:
+            DaemonError: the daemon refused, or did not answer within ``timeout``.
+        """
+        future = self._submit(request)
+        try:
+            reply = future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            code = "timeout" if self.connected else "unreachable"
+            raise DaemonError(code, f"no reply from {self.socket_path} within {timeout}s") from None
+        if not reply.get("ok"):
+            error = reply.get("error") or {}
+            raise DaemonError(str(error.get("code")), str(error.get("message")))
+        return reply
+
+    def wait(self, root: str, step: int, timeout: float) -> p.WaitReply:
+        """Block until ``step`` is promoted or failed, or ``timeout`` passes.
+
+        Raises:
+            DaemonError: the daemon refused, or could not be reached.
+        """
+        reply = self.call(p.Wait(id=0, root=root, step=step, timeout=timeout), timeout + 10.0)
+        return msgspec.convert(reply, p.WaitReply)
+
+    def ping(self, timeout: float = 2.0) -> bool:
+        """Whether the daemon answers within ``timeout`` seconds."""
+        try:
+            self.call(p.Ping(id=0), timeout)
+        except DaemonError:
+            return False
+        return True
+
+    def close(self) -> None:
+        """Close the connection and stop the background thread."""
+        if self._closed:
+            return
+        self._closed = True
+        self._loop.call_soon_threadsafe(self._shutdown)
+        self._thread.join(timeout=5.0)
+
+    def __enter__(self) -> CheckpointClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    def _submit(self, request: p.Request) -> concurrent.futures.Future[dict[str, Any]]:
+        future: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+        rid = next(self._ids)
+        outgoing = _Outgoing(msgspec.structs.replace(request, id=rid), future)
+        outgoing.line = p.encode(outgoing.message)
+        if self._closed:
+            future.set_exception(DaemonError("closed", "the client is closed"))
+            return future
+        self._loop.call_soon_threadsafe(self._send, rid, outgoing)
+        return future
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._main = self._loop.create_task(self._connect_forever())
+        try:
+            self._loop.run_until_complete(self._main)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self._loop.close()
+
+    def _shutdown(self) -> None:
+        self._main.cancel()
+
+    def _send(self, rid: int, outgoing: _Outgoing) -> None:
+        self._unacked[rid] = outgoing
+        if len(self._unacked) > _MAX_UNACKED:
+            dropped = self._unacked.pop(next(iter(self._unacked)))
+            if dropped.future is not None and not dropped.future.done():
+                dropped.future.set_exception(DaemonError("dropped", "too many unacknowledged"))
+        if self._writer is not None:
+            self._writer.write(outgoing.line)
+
+    async def _connect_forever(self) -> None:
+        backoff = _BACKOFF_START
+        while True:
+            try:
+                reader, writer = await asyncio.open_unix_connection(
+                    self.socket_path, limit=p.MAX_LINE
+                )
+            except OSError as exc:
+                self._attempted.set()
+                self._fail_queries()
+                if not self._warned:
+                    self._warned = True
+                    log.warning(
+                        "ckptd daemon unreachable at %s (%s); training continues, checkpoints "
+                        "will not be promoted until it is back",
+                        self.socket_path,
+                        exc.strerror or exc,
+                    )
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self._reconnect_max)
+                continue
+            backoff = _BACKOFF_START
+            if self._warned:
+                log.warning("ckptd daemon reachable again at %s", self.socket_path)
+                self._warned = False
+            self._writer = writer
+            self._resend(writer)
+            self._connected.set()
+            self._attempted.set()
+            try:
+                await self._read(reader)
+            finally:
+                self._connected.clear()
+                self._writer = None
+                writer.close()
+
+    def _resend(self, writer: asyncio.StreamWriter) -> None:
+        # Saves in flight first, so a restarted daemon learns of them before their done.
+        with self._lock:
+            open_saves = dict(self._saves)
+        queued = {
+            (m.root, m.step, m.rank)
+            for o in self._unacked.values()
+            if isinstance(m := o.message, p.Begin)
+        }
+        written: set[int] = set()
+        for (root, step, rank), world_size in open_saves.items():
+            if (root, step, rank) not in queued:
+                msg = p.Begin(
+                    id=next(self._ids), root=root, step=step, rank=rank, world_size=world_size
+                )
+                again = _Outgoing(msg, None, p.encode(msg))
+                self._unacked[msg.id] = again
+                written.add(msg.id)
+                writer.write(again.line)
+        for rid in sorted(self._unacked.keys() - written):
+            writer.write(self._unacked[rid].line)
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        while True:
+            try:
+                line = await reader.readline()
+            except (OSError, ValueError):
+                return
+            if not line:
+                return
+            try:
+                reply = msgspec.json.decode(line)
+            except msgspec.DecodeError:
+                continue
+            if isinstance(reply, dict) and "id" in reply:
+                self._on_reply(reply)
+
+    def _on_reply(self, reply: dict[str, Any]) -> None:
+        outgoing = self._unacked.pop(reply.get("id"), None)  # type: ignore[arg-type]
+        if outgoing is None:
+            return
+        message = outgoing.message
+        if isinstance(message, p.Done | p.Fail):
+            with self._lock:
+                self._saves.pop((message.root, message.step, message.rank), None)
+        if not reply.get("ok") and isinstance(message, p.Done | p.Fail):
+            error = reply.get("error") or {}
+            log.warning(
+                "ckptd refused %s for step %s of %s: %s: %s",
+                type(message).__name__.lower(),
+                message.step,
+                message.root,
+                error.get("code"),
+                error.get("message"),
+            )
+        if outgoing.future is not None and not outgoing.future.done():
+            outgoing.future.set_result(reply)
+
+    def _fail_queries(self) -> None:
+        # Queries (status, wait, ping) are not re-sent: fail them now, keep saves.
+        for rid, outgoing in list(self._unacked.items()):
+            if not isinstance(outgoing.message, p.Begin | p.Done | p.Fail):
+                del self._unacked[rid]
+                if outgoing.future is not None and not outgoing.future.done():
+                    outgoing.future.set_exception(
+                        DaemonError("unreachable", f"ckptd unreachable at {self.socket_path}")
+                    )

@@ -1,0 +1,162 @@
+"""Turning a rank's save futures into one ``done`` (or ``fail``) for the daemon.
+
+A rank may write a step through several futures (model, optimizer) and plain files
+(tokenizer). :class:`SaveHandle` collects them; once it is sealed and every future has
+resolved without error, it reports ``done`` with the files the rank wrote. Any error,
+including DCP's ``CheckpointException`` (a ``BaseException``), reports ``fail``.
+Callbacks run on the writer's thread; nothing here runs on the training thread after
+the save call returns.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from .protocol import FileEntry
+
+if TYPE_CHECKING:
+    from ._client import Begun, CheckpointClient
+
+__all__ = ["SaveHandle", "files_from_metadata"]
+
+
+def files_from_metadata(result: Any, dcp_dir: str, group_rank: int) -> list[FileEntry]:
+    """The shard files a DCP save's result says ``group_rank`` wrote, with minimum sizes.
+
+    Args:
+        result: The ``Metadata`` a DCP save future resolves to (anything else gives []).
+        dcp_dir: The DCP directory, relative to the step's tmp directory.
+        group_rank: The writer's rank in the checkpoint process group; DCP names its
+            shards ``__{group_rank}_{n}.distcp``. The coordinator (0) also wrote
+            ``.metadata``.
+
+    Returns:
+        One entry per file.
+    """
+    storage = getattr(result, "storage_data", None)
+    if not isinstance(storage, dict):
+        return []
+    prefix = f"__{group_rank}_"
+    sizes: dict[str, int] = {}
+    for info in storage.values():
+        name = getattr(info, "relative_path", None)
+        if isinstance(name, str) and name.startswith(prefix):
+            end = int(info.offset) + int(info.length)
+            sizes[name] = max(sizes.get(name, 0), end)
+    entries = [FileEntry(os.path.normpath(os.path.join(dcp_dir, n)), s) for n, s in sizes.items()]
+    if group_rank == 0:
+        entries.append(FileEntry(os.path.normpath(os.path.join(dcp_dir, ".metadata")), 1))
+    return sorted(entries, key=lambda e: e.path)
+
+
+class SaveHandle:
+    """One rank's save of one step, reported to the daemon when every part has landed.
+
+    Create it with :meth:`CheckpointClient.save`. Add each future the rank's save
+    produced, then :meth:`seal` it: no ``done`` is sent before the seal, so a step saved
+    through several calls cannot be promoted after only the first.
+    """
+
+    def __init__(
+        self, client: CheckpointClient, root: str, step: int, rank: int, begun: Begun
+    ) -> None:
+        self._client = client
+        self.root = root
+        self.step = step
+        self.rank = rank
+        self.begun = begun
+        self._lock = threading.Lock()
+        self._outstanding = 0
+        self._sealed = False
+        self._finished = False
+        self._files: list[FileEntry] = []
+        self._settled = threading.Event()
+
+    @property
+    def path(self) -> str:
+        """Directory this step is written into (``ROOT/tmp_step_N``)."""
+        return self.begun.path
+
+    def add(
+        self, future: Any, *, dcp_dir: str | None = None, group_rank: int | None = None
+    ) -> None:
+        """Track one save future.
+
+        Args:
+            future: A ``concurrent.futures.Future`` or an ``AsyncSaveResponse`` (its
+                ``upload_completion`` is tracked).
+            dcp_dir: The DCP directory relative to :attr:`path`; when given, the shard
+                files are taken from the save's resulting metadata.
+            group_rank: This rank in the checkpoint process group (default: ``rank``).
+
+        Raises:
+            RuntimeError: the handle is already sealed.
+        """
+        upload: Future[Any] = getattr(future, "upload_completion", future)
+        with self._lock:
+            if self._sealed:
+                raise RuntimeError("SaveHandle.add after seal(): the step may already be done")
+            self._outstanding += 1
+        rank = self.rank if group_rank is None else group_rank
+
+        def on_done(fut: Future[Any]) -> None:
+            if fut.cancelled():
+                self._resolve(None, "the save future was cancelled")
+                return
+            exc = fut.exception()
+            if exc is not None:
+                self._resolve(None, f"{type(exc).__name__}: {exc}")
+                return
+            found = [] if dcp_dir is None else files_from_metadata(fut.result(), dcp_dir, rank)
+            self._resolve(found, None)
+
+        upload.add_done_callback(on_done)
+
+    def add_files(self, files: Iterable[FileEntry]) -> None:
+        """Record files this rank already wrote synchronously (e.g. a tokenizer)."""
+        with self._lock:
+            self._files.extend(files)
+
+    def seal(self) -> None:
+        """No more parts: report ``done`` once every tracked future has succeeded."""
+        with self._lock:
+            self._sealed = True
+            ready = self._outstanding == 0 and not self._finished
+            if ready:
+                self._finished = True
+        if ready:
+            self._send_done()
+
+    def fail(self, reason: str) -> None:
+        """Report the save failed (e.g. the save call itself raised)."""
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
+        self._client.fail(self.root, self.step, self.rank, reason)
+        self._settled.set()
+
+    def wait_local(self, timeout: float | None = None) -> bool:
+        """Block until this rank's parts have resolved and been reported (tests, shutdown)."""
+        return self._settled.wait(timeout)
+
+    def _resolve(self, files: list[FileEntry] | None, error: str | None) -> None:
+        if error is not None:
+            self.fail(error)
+            return
+        with self._lock:
+            self._files.extend(files or ())
+            self._outstanding -= 1
+            ready = self._sealed and self._outstanding == 0 and not self._finished
+            if ready:
+                self._finished = True
+        if ready:
+            self._send_done()
+
+    def _send_done(self) -> None:
+        self._client.done(self.root, self.step, self.rank, self._files)
+        self._settled.set()

@@ -1,0 +1,367 @@
+"""Wire protocol between trainers and the ckptd daemon.
+
+Newline-delimited JSON over a Unix stream socket: one object per line, UTF-8, at most
+:data:`MAX_LINE` bytes. Every request carries ``op`` and an integer ``id``; every reply
+echoes ``id`` with ``ok`` and, when ``ok`` is false, ``error: {code, message}``. Events
+pushed to a subscribed connection carry ``event`` instead of ``id``.
+
+This module is shared by the daemon and the trainer-side client, so it depends on msgspec
+alone: importing it never pulls in torch or the daemon. ``docs/protocol.md`` is the
+reference for every op, field and error code.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Any, Final, Literal
+
+import msgspec
+
+__all__ = [
+    "MAX_LINE",
+    "PROTOCOL_VERSION",
+    "Ack",
+    "Begin",
+    "BeginReply",
+    "Done",
+    "ErrorCode",
+    "ErrorInfo",
+    "ErrorReply",
+    "Fail",
+    "FileEntry",
+    "Gc",
+    "GcReply",
+    "Latest",
+    "LatestReply",
+    "Ping",
+    "PingReply",
+    "ProtocolError",
+    "RankInfo",
+    "RankState",
+    "Request",
+    "SaveInfo",
+    "SaveState",
+    "Status",
+    "StatusReply",
+    "Subscribe",
+    "Wait",
+    "WaitReply",
+    "decode_request",
+    "encode",
+]
+
+MAX_LINE: Final = 1024 * 1024
+"""Longest accepted line in bytes, newline included."""
+
+PROTOCOL_VERSION: Final = 1
+"""Bumped on any incompatible change to a message's shape."""
+
+_MAX_PATH = 4096
+_MAX_REASON = 4096
+_MAX_FILES = 100_000
+_I64 = 2**63 - 1
+
+Step = Annotated[int, msgspec.Meta(ge=0, le=_I64)]
+Rank = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+WorldSize = Annotated[int, msgspec.Meta(ge=1, le=2**31)]
+PathStr = Annotated[str, msgspec.Meta(min_length=1, max_length=_MAX_PATH)]
+Reason = Annotated[str, msgspec.Meta(max_length=_MAX_REASON)]
+RequestId = Annotated[int, msgspec.Meta(ge=-_I64, le=_I64)]
+Seconds = Annotated[float, msgspec.Meta(ge=0, le=7 * 24 * 3600)]
+
+
+class ErrorCode(enum.StrEnum):
+    """Stable error codes carried in ``error.code``; see ``docs/protocol.md``."""
+
+    BAD_JSON = "bad_json"
+    """The line is not valid UTF-8 JSON."""
+    BAD_REQUEST = "bad_request"
+    """Valid JSON, but not an object with an ``op`` string and an integer ``id``."""
+    UNKNOWN_OP = "unknown_op"
+    """``op`` names no operation."""
+    INVALID_FIELD = "invalid_field"
+    """A field is missing, of the wrong type, or out of range."""
+    LINE_TOO_LONG = "line_too_long"
+    """The line exceeded :data:`MAX_LINE`; it was discarded up to its newline."""
+    ROOT_NOT_CONFIGURED = "root_not_configured"
+    """``root`` is not one of the daemon's configured roots."""
+    PATH_ESCAPE = "path_escape"
+    """A path leaves its root or checkpoint directory (``..``, absolute, or a symlink)."""
+    RANK_OUT_OF_RANGE = "rank_out_of_range"
+    """``rank`` is not below ``world_size``."""
+    WORLD_SIZE_MISMATCH = "world_size_mismatch"
+    """A rank announced a different ``world_size`` than the step already has."""
+    ALREADY_PROMOTED = "already_promoted"
+    """The step is already promoted; it cannot be begun or failed again."""
+    STEP_FAILED = "step_failed"
+    """The step has failed and will never be promoted."""
+    NOT_BEGUN = "not_begun"
+    """``done``/``fail`` for a rank that never sent ``begin`` for that step."""
+    INVALID_STATE = "invalid_state"
+    """The request does not fit the save's current state (e.g. ``fail`` after ``done``)."""
+    NOT_FOUND = "not_found"
+    """Nothing matches (e.g. ``latest`` for a root with no promoted step)."""
+    TOO_BUSY = "too_busy"
+    """A per-connection or per-daemon bound was reached; retry later."""
+    SHUTTING_DOWN = "shutting_down"
+    """The daemon is stopping and accepts no new saves."""
+    INTERNAL = "internal"
+    """An unexpected daemon error; the daemon logged it."""
+
+
+class SaveState(enum.StrEnum):
+    """Life of one checkpoint step (DESIGN.md, "Life of a checkpoint")."""
+
+    OPEN = "open"
+    VERIFYING = "verifying"
+    PROMOTING = "promoting"
+    PROMOTED = "promoted"
+    FAILED = "failed"
+
+
+class RankState(enum.StrEnum):
+    """One rank's part in a step."""
+
+    WRITING = "writing"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class FileEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A file a rank wrote, relative to the step's tmp directory."""
+
+    path: PathStr
+    size: Annotated[int, msgspec.Meta(ge=0, le=_I64)]
+
+
+class _Request(msgspec.Struct, frozen=True, tag_field="op", kw_only=True):
+    id: RequestId
+
+
+class Ping(_Request, frozen=True, tag="ping"):
+    """Liveness check; the reply carries the daemon's version."""
+
+
+class Begin(_Request, frozen=True, tag="begin"):
+    """A rank is about to write into ``ROOT/<tmp_prefix><step>/``. Idempotent."""
+
+    root: PathStr
+    step: Step
+    rank: Rank
+    world_size: WorldSize
+
+
+class Done(_Request, frozen=True, tag="done"):
+    """A rank's writes for the step have all landed."""
+
+    root: PathStr
+    step: Step
+    rank: Rank
+    files: Annotated[list[FileEntry], msgspec.Meta(max_length=_MAX_FILES)] = []
+
+
+class Fail(_Request, frozen=True, tag="fail"):
+    """A rank's save failed; the step must never be promoted."""
+
+    root: PathStr
+    step: Step
+    rank: Rank
+    reason: Reason
+
+
+class Wait(_Request, frozen=True, tag="wait"):
+    """Reply once the step is promoted or failed, or after ``timeout`` seconds."""
+
+    root: PathStr
+    step: Step
+    timeout: Seconds = 0.0
+
+
+class Status(_Request, frozen=True, tag="status"):
+    """Every save the daemon knows, optionally for one root only."""
+
+    root: PathStr | None = None
+
+
+class Latest(_Request, frozen=True, tag="latest"):
+    """Path of the newest promoted step of ``root``."""
+
+    root: PathStr
+
+
+class Subscribe(_Request, frozen=True, tag="subscribe"):
+    """Stream every event to this connection from now on."""
+
+
+class Gc(_Request, frozen=True, tag="gc"):
+    """List (and with ``remove`` delete) failed and orphaned tmp directories of ``root``."""
+
+    root: PathStr
+    remove: bool = False
+
+
+Request = Ping | Begin | Done | Fail | Wait | Status | Latest | Subscribe | Gc
+"""Every message a client may send."""
+
+
+class ErrorInfo(msgspec.Struct, frozen=True):
+    """Why a request was refused."""
+
+    code: str
+    message: str
+
+
+class _Reply(msgspec.Struct, frozen=True, kw_only=True):
+    id: int | None
+    ok: bool = True
+
+
+class Ack(_Reply, frozen=True):
+    """Success with nothing to report (``done``, ``fail``, ``subscribe``)."""
+
+
+class ErrorReply(_Reply, frozen=True, kw_only=True):
+    """Failure; ``ok`` is false."""
+
+    ok: bool = False
+    error: ErrorInfo
+
+
+class PingReply(_Reply, frozen=True, kw_only=True):
+    """Reply to ``ping``."""
+
+    version: str
+    protocol: int = PROTOCOL_VERSION
+
+
+class BeginReply(_Reply, frozen=True, kw_only=True):
+    """Reply to ``begin``: where to write, and the save's current state."""
+
+    path: str
+    state: SaveState
+
+
+class WaitReply(_Reply, frozen=True, kw_only=True):
+    """Reply to ``wait``. ``path`` is set when promoted, ``reason`` when failed."""
+
+    state: Literal["promoted", "failed", "pending"]
+    path: str | None = None
+    reason: str | None = None
+
+
+class RankInfo(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One rank's part in a save, as ``status`` reports it."""
+
+    rank: int
+    state: RankState
+    connected: bool
+    files: int = 0
+    bytes: int = 0
+    lease_s: float | None = None
+    reason: str | None = None
+
+
+class SaveInfo(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One save, as ``status`` reports it."""
+
+    root: str
+    step: int
+    world_size: int
+    state: SaveState
+    age_s: float
+    ranks: list[RankInfo]
+    path: str | None = None
+    reason: str | None = None
+
+
+class StatusReply(_Reply, frozen=True, kw_only=True):
+    """Reply to ``status``."""
+
+    version: str
+    pid: int
+    uptime_s: float
+    roots: list[str]
+    saves: list[SaveInfo]
+
+
+class LatestReply(_Reply, frozen=True, kw_only=True):
+    """Reply to ``latest``."""
+
+    path: str
+    step: int
+
+
+class GcReply(_Reply, frozen=True, kw_only=True):
+    """Reply to ``gc``: the candidate directories, and whether they were removed."""
+
+    candidates: list[str]
+    removed: bool
+
+
+_request_decoder: Final = msgspec.json.Decoder(Request)
+_encoder: Final = msgspec.json.Encoder()
+_OPS: Final = frozenset(
+    str(t.__struct_config__.tag)
+    for t in (Ping, Begin, Done, Fail, Wait, Status, Latest, Subscribe, Gc)
+)
+
+
+class ProtocolError(ValueError):
+    """Raised by :func:`decode_request` for a line that is not a valid request.
+
+    Attributes:
+        code: The :class:`ErrorCode` for the reply.
+        request_id: The request's ``id`` if one could be read, else None.
+    """
+
+    def __init__(self, code: ErrorCode, message: str, request_id: int | None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.request_id = request_id
+
+
+def decode_request(line: bytes) -> Request:
+    """Decode one line into a typed request.
+
+    Args:
+        line: One frame, with or without its trailing newline.
+
+    Returns:
+        The request.
+
+    Raises:
+        ProtocolError: The line is not JSON, not an object with ``op`` and ``id``, names an
+            unknown op, or has a missing, mistyped or out-of-range field.
+    """
+    try:
+        return _request_decoder.decode(line)
+    except msgspec.ValidationError as exc:
+        raise _classify(line, exc) from None
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(ErrorCode.BAD_JSON, f"not valid JSON: {exc}", None) from None
+
+
+def _classify(line: bytes, exc: msgspec.ValidationError) -> ProtocolError:
+    # Only on the error path: parse loosely to say precisely what is wrong.
+    raw: Any = msgspec.json.decode(line)
+    if not isinstance(raw, dict):
+        return ProtocolError(ErrorCode.BAD_REQUEST, "a request must be a JSON object", None)
+    rid = raw.get("id")
+    request_id = rid if type(rid) is int and -_I64 <= rid <= _I64 else None
+    op = raw.get("op")
+    if not isinstance(op, str):
+        return ProtocolError(ErrorCode.BAD_REQUEST, 'a request needs an "op" string', request_id)
+    if op not in _OPS:
+        known = ", ".join(sorted(_OPS))
+        return ProtocolError(
+            ErrorCode.UNKNOWN_OP, f"unknown op {op!r}; known ops: {known}", request_id
+        )
+    if request_id is None:
+        return ProtocolError(ErrorCode.BAD_REQUEST, 'a request needs an integer "id"', None)
+    return ProtocolError(ErrorCode.INVALID_FIELD, str(exc), request_id)
+
+
+def encode(message: msgspec.Struct | dict[str, Any]) -> bytes:
+    """Encode one message as a JSON line, newline included."""
+    buf = _encoder.encode(message)
+    return buf + b"\n"
