@@ -1,18 +1,12 @@
 """Inert reader for torch.distributed.checkpoint ``.metadata`` files.
 
-A DCP ``.metadata`` file is a pickle of ``torch.distributed.checkpoint.metadata.Metadata``.
-The daemon must not unpickle untrusted data and never imports torch, so this module
-*parses* the pickle instead: it walks the opcodes with :func:`pickletools.genops` and
-simulates the unpickler's stack and memo with inert values. No global is imported or
-resolved and nothing named by the data is ever called: a global becomes a
-:class:`Global`, and an object construction becomes an :class:`Instance` that records
-what would have been called with which arguments.
-
-Resource bounds: the input size is capped (``max_bytes``), the value stack and the
-MARK nesting are capped, and dict keys / set members are size-checked before they are
-hashed (CPython hashes nested tuples recursively and without caching). Nothing here
-walks the parsed values recursively; deeply nested values are only ever freed, which
-CPython does without deep C recursion.
+``.metadata`` is a pickle of DCP's ``Metadata``. The daemon never unpickles untrusted data
+and never imports torch, so this module *parses* the pickle: it walks the opcodes with
+:func:`pickletools.genops` and simulates the unpickler's stack and memo with inert values.
+No global is imported and nothing named by the data is called. Bounds: input size, stack
+size and MARK nesting are capped, and dict keys / set members are size-checked before
+CPython hashes them (tuple hashing recurses and is not cached). Nothing walks the parsed
+values recursively; deeply nested values are only freed, which CPython does iteratively.
 """
 
 from __future__ import annotations
@@ -24,16 +18,6 @@ import pickletools
 import stat
 from dataclasses import dataclass
 from typing import TypeGuard
-
-__all__ = [
-    "DcpMetadataError",
-    "Global",
-    "Instance",
-    "ShardRef",
-    "check_dcp_dir",
-    "parse_pickle",
-    "referenced_shards",
-]
 
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 _METADATA_NAME = ".metadata"
@@ -47,18 +31,9 @@ _PUSH_ARG = frozenset(
     " SHORT_BINBYTES BINBYTES8 BYTEARRAY8 UNICODE SHORT_BINUNICODE BINUNICODE BINUNICODE8"
     " FLOAT BINFLOAT".split()
 )
-_CONSTANTS: dict[str, object] = {
-    "NONE": None,
-    "NEWTRUE": True,
-    "NEWFALSE": False,
-    "EMPTY_TUPLE": (),
-}
-_EMPTY: dict[str, type[list[object] | dict[object, object] | set[object]]] = {
-    "EMPTY_LIST": list,
-    "EMPTY_DICT": dict,
-    "EMPTY_SET": set,
-}
-# Everything else is rejected, notably PERSID/BINPERSID, EXT1/2/4 and the protocol 5
+_CONST: dict[str, object] = {"NONE": None, "NEWTRUE": True, "NEWFALSE": False, "EMPTY_TUPLE": ()}
+_EMPTY = {"EMPTY_LIST": list, "EMPTY_DICT": dict, "EMPTY_SET": set}
+# Any other opcode is refused, notably PERSID/BINPERSID, EXT1/2/4 and the protocol 5
 # out-of-band buffers NEXT_BUFFER/READONLY_BUFFER.
 
 
@@ -182,8 +157,8 @@ class _Machine:
             push(memo[arg])
         elif name in _PUSH_ARG:
             push(arg)
-        elif name in _CONSTANTS:
-            push(_CONSTANTS[name])
+        elif name in _CONST:
+            push(_CONST[name])
         elif name in _EMPTY:
             push(_EMPTY[name]())
         elif name == "MARK":
@@ -387,7 +362,7 @@ def _shard_problem(root: str, ref: ShardRef) -> str | None:
     if ".." in rel.split(os.sep):
         return "path escapes the checkpoint directory"
     real = os.path.realpath(os.path.join(root, rel))
-    if real == root or os.path.commonpath([root, real]) != root:
+    if os.path.commonpath([root, real]) != root:
         return "path resolves outside the checkpoint directory"
     try:
         st = os.stat(real)

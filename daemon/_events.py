@@ -14,8 +14,8 @@ from typing import Any, TextIO
 
 import anyio
 import structlog
-from structlog.typing import EventDict
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from structlog.typing import EventDict
 
 __all__ = ["Events", "configure_logging"]
 

@@ -160,7 +160,7 @@ class Daemon:
                 return
             self._connections += 1
             peer = _peer_credentials(stream)
-            self.events.emit("client.connected", conn=conn, **peer)
+            self.events.emit("client.connected", "info", conn=conn, **peer)
             try:
                 await self._serve_lines(conn, stream)
             finally:

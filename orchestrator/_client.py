@@ -111,6 +111,7 @@ class CheckpointClient:
         self._warned = False
         self._closed = False
         self._loop = asyncio.new_event_loop()
+        self._acked = asyncio.Event()
         self._thread = threading.Thread(target=self._run, name="ckptd-client", daemon=True)
         self._thread.start()
 
@@ -246,10 +247,34 @@ class CheckpointClient:
             return False
         return True
 
-    def close(self) -> None:
-        """Close the connection and stop the background thread."""
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until the daemon acknowledged every ``begin``/``done``/``fail`` sent so far.
+
+        For shutdown paths and tests; the training loop never needs it.
+
+        Returns:
+            Whether everything was acknowledged within ``timeout`` seconds.
+        """
+        if self._closed or not self._thread.is_alive():
+            return not self._unacked
+        future = asyncio.run_coroutine_threadsafe(self._drained(), self._loop)
+        try:
+            future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            return False
+        return True
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Flush (while the daemon is reachable), close the connection, stop the thread.
+
+        Args:
+            timeout: Longest wait for outstanding acknowledgements, in seconds.
+        """
         if self._closed:
             return
+        if self._connected.is_set():
+            self.flush(timeout)
         self._closed = True
         self._loop.call_soon_threadsafe(self._shutdown)
         self._thread.join(timeout=5.0)
@@ -285,6 +310,11 @@ class CheckpointClient:
 
     def _shutdown(self) -> None:
         self._main.cancel()
+
+    async def _drained(self) -> None:
+        while any(isinstance(o.message, p.Begin | p.Done | p.Fail) for o in self._unacked.values()):
+            self._acked = asyncio.Event()
+            await self._acked.wait()
 
     def _send(self, rid: int, outgoing: _Outgoing) -> None:
         self._unacked[rid] = outgoing
@@ -372,6 +402,7 @@ class CheckpointClient:
         outgoing = self._unacked.pop(reply.get("id"), None)  # type: ignore[arg-type]
         if outgoing is None:
             return
+        self._acked.set()
         message = outgoing.message
         if isinstance(message, p.Done | p.Fail):
             with self._lock:

@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+from concurrent.futures import Future, wait
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 
 from ._client import CheckpointClient
+from ._tracking import SaveHandle
 
 __all__ = ["async_save", "checkpoint_group", "default_client"]
 
+log = logging.getLogger("orchestrator")
+
 _lock = threading.Lock()
 _client: CheckpointClient | None = None
-_group: Any = None
+_groups: dict[str, Any] = {}
+_inflight: dict[str, Future[Any]] = {}
 
 
 def default_client() -> CheckpointClient:
@@ -27,18 +33,21 @@ def default_client() -> CheckpointClient:
         return _client
 
 
-def checkpoint_group() -> Any:
+def checkpoint_group(name: str = "") -> Any:
     """A gloo process group over all ranks, used only for checkpoint traffic.
 
-    DCP's collectives on the training group deadlock against training's own; a separate
-    gloo group avoids that. Created on first call, which (like every group creation)
-    must happen on every rank in the same order.
+    DCP's collectives on the training group deadlock against training's own, and two
+    uploads in flight on one group interleave their collectives; so each DCP directory
+    name (``"model"``, ``"optim"``) gets its own group. Created on first use, which (like
+    every group creation) must happen on every rank in the same order.
+
+    Args:
+        name: The DCP directory the group carries.
     """
-    global _group
     with _lock:
-        if _group is None:
-            _group = dist.new_group(backend="gloo")
-        return _group
+        if name not in _groups:
+            _groups[name] = dist.new_group(backend="gloo")
+        return _groups[name]
 
 
 def async_save(
@@ -48,6 +57,7 @@ def async_save(
     step: int,
     subdir: str = "",
     client: CheckpointClient | None = None,
+    handle: SaveHandle | None = None,
     process_group: Any = None,
     **kwargs: Any,
 ) -> Any:
@@ -58,12 +68,22 @@ def async_save(
     shard files (or ``fail``) when the upload completes. The training thread never waits
     for the upload. All ranks of the group must call it.
 
+    A step written by several calls (model and optimizer in their own DCP directories)
+    must share one handle, or the daemon could promote the step after the first part::
+
+        handle = client.save(root, step, rank, world_size)
+        async_save(model_sd, root=root, step=step, subdir="model", handle=handle)
+        async_save(optim_sd, root=root, step=step, subdir="optim", handle=handle)
+        handle.seal()  # done is sent once both uploads have landed
+
     Args:
         state_dict: What to save, as for ``dcp.async_save``.
         root: The checkpoint root the daemon is configured with.
         step: The step; written into ``ROOT/tmp_step_{step}/{subdir}``.
         subdir: DCP directory inside the step (e.g. ``"model"``); default the step dir.
         client: The daemon client; default :func:`default_client`.
+        handle: The step's :class:`SaveHandle` when it is written in several parts; the
+            caller then seals it. Default: begin a handle and seal it after this part.
         process_group: Group for DCP's collectives; default :func:`checkpoint_group`.
         **kwargs: Passed to ``dcp.async_save`` (``async_stager``,
             ``async_checkpointer_type``, ``storage_writer``, ...).
@@ -75,9 +95,17 @@ def async_save(
         BaseException: whatever ``dcp.async_save`` raises while starting; the daemon is
             told the save failed first.
     """
-    group = checkpoint_group() if process_group is None else process_group
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    handle = (client or default_client()).save(root, step, rank, world_size)
+    group = checkpoint_group(subdir) if process_group is None else process_group
+    previous = _inflight.get(subdir)
+    if previous is not None and not previous.done():
+        # Backpressure: the last upload of this directory is still running on the same
+        # group. Waiting is the only safe order (as torchtitan and NeMo-RL do).
+        log.warning("ckptd: previous %r upload still running; waiting for it", subdir or ".")
+        _wait_quietly(previous)
+    seal = handle is None
+    if handle is None:
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        handle = (client or default_client()).save(root, step, rank, world_size)
     checkpoint_id = os.path.join(handle.path, subdir) if subdir else handle.path
     try:
         result = dcp_async_save(
@@ -86,6 +114,14 @@ def async_save(
     except BaseException as exc:  # CheckpointException derives from BaseException
         handle.fail(f"async_save raised {type(exc).__name__}: {exc}")
         raise
+    upload: Future[Any] = getattr(result, "upload_completion", result)
+    _inflight[subdir] = upload
     handle.add(result, dcp_dir=subdir or ".", group_rank=dist.get_rank(group))
-    handle.seal()
+    if seal:
+        handle.seal()
     return result
+
+
+def _wait_quietly(future: Future[Any]) -> None:
+    # Its outcome was already reported to the daemon by its own handle.
+    wait([future])

@@ -73,7 +73,7 @@ if ((${#roots[@]} == 0)); then
 	exit 0 # this job does not use ckptd
 fi
 
-args=(serve --socket "$sock" --state-dir "$dir/state")
+args=(serve --socket "$sock")
 for root in "${roots[@]}"; do
 	# ckptd itself checks, as the job's user, that the root exists and is usable; this
 	# script runs as root and touches no user path, it only rejects relative ones.

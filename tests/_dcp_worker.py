@@ -1,0 +1,167 @@
+"""One rank of a real multi-process DCP job that checkpoints through ckptd.
+
+Started by the tests as ``python tests/_dcp_worker.py`` once per rank (gloo, CPU). It
+prints one JSON object per line on stdout so the test can follow it. A rank can be told
+to hold its upload at a FIFO gate, before writing its shards (``write``) or, on the
+coordinator, before writing ``.metadata`` (``finish``), so the test controls exactly
+when its writes land.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.futures
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.storage import WriteResult
+
+import orchestrator
+
+
+def state_for(rank: int, step: int, numel: int, part: str = "") -> dict[str, torch.Tensor]:
+    """The deterministic tensors rank ``rank`` saves at ``step`` for ``part``."""
+    gen = torch.Generator().manual_seed(1000 * step + 10 * rank + len(part))
+    return {
+        f"{part}rank{rank}.weight": torch.randn(numel, generator=gen),
+        f"{part}rank{rank}.bias": torch.arange(16, dtype=torch.int64) + step,
+        f"{part}shared.step": torch.tensor([step]),
+    }
+
+
+def say(**fields: Any) -> None:
+    """One JSON line for the test."""
+    sys.stdout.write(json.dumps(fields) + "\n")
+    sys.stdout.flush()
+
+
+def _gate(path: str, rank: int, where: str) -> None:
+    say(event="held", rank=rank, at=where)
+    with open(path, "rb") as fh:  # blocks until the test opens the FIFO for writing
+        fh.read(1)
+    say(event="released", rank=rank, at=where)
+
+
+class HeldWriter(FileSystemWriter):
+    """A real FileSystemWriter that waits at a FIFO gate before writing."""
+
+    def __init__(self, path: str, gate: str, at: str, rank: int) -> None:
+        super().__init__(path)
+        self._gate_path, self._at, self._rank = gate, at, rank
+
+    def write_data(
+        self, plan: SavePlan, planner: SavePlanner
+    ) -> torch.futures.Future[list[WriteResult]]:
+        if self._at == "write":
+            _gate(self._gate_path, self._rank, "write")
+        return super().write_data(plan, planner)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        if self._at == "finish":
+            _gate(self._gate_path, self._rank, "finish")
+        super().finish(metadata, results)
+
+
+def _write_extra(
+    handle: orchestrator.SaveHandle, rank: int, args: argparse.Namespace
+) -> Future[None]:
+    """A plain per-rank file written by a background thread, tracked with the step."""
+    future: Future[None] = Future()
+    data = bytes(range(256)) * 64
+    rel = f"extra/rank{rank}.bin"
+
+    def write() -> None:
+        if rank == args.hold_rank and args.hold_at == "extra":
+            _gate(args.gate, rank, "extra")
+        os.makedirs(os.path.join(handle.path, "extra"), exist_ok=True)
+        with open(os.path.join(handle.path, rel), "wb") as fh:
+            fh.write(data)
+            os.fsync(fh.fileno())
+        future.set_result(None)
+
+    handle.add(future)
+    handle.add_files([orchestrator.FileEntry(rel, len(data))])
+    threading.Thread(target=write, daemon=True).start()
+    return future
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--steps", default="1")
+    parser.add_argument("--numel", type=int, default=4096)
+    parser.add_argument("--hold-rank", type=int, default=-1)
+    parser.add_argument("--hold-at", choices=["write", "finish", "extra"], default="write")
+    parser.add_argument("--extra", action="store_true", help="also write a per-rank file")
+    parser.add_argument("--gate", default="")
+    parser.add_argument("--stager", action="store_true", help="use a CPU-safe DefaultStager")
+    parser.add_argument("--parts", default="", help="DCP subdirs per step, e.g. model,optim")
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    client = orchestrator.CheckpointClient(begin_timeout=10.0)
+    handles = []
+    parts = args.parts.split(",") if args.parts else [""]
+    for step in [int(s) for s in args.steps.split(",")]:
+        handle = client.save(args.root, step, rank, world)
+        for part in parts:
+            kwargs: dict[str, Any] = {"client": client, "handle": handle}
+            if rank == args.hold_rank and part == parts[-1]:
+                kwargs["storage_writer"] = HeldWriter(args.root, args.gate, args.hold_at, rank)
+            if args.stager:
+                kwargs["async_stager"] = DefaultStager(
+                    StagingOptions(
+                        use_pinned_memory=False,
+                        use_shared_memory=False,
+                        use_async_staging=True,
+                        use_non_blocking_copy=False,
+                    )
+                )
+            start = time.perf_counter()
+            result = orchestrator.async_save(
+                state_for(rank, step, args.numel, part),
+                root=args.root,
+                step=step,
+                subdir=part,
+                **kwargs,
+            )
+            blocked = time.perf_counter() - start
+            say(event="save_returned", rank=rank, step=step, part=part, blocked_s=blocked)
+            upload = getattr(result, "upload_completion", result)
+            upload.add_done_callback(
+                lambda f, step=step, part=part: say(
+                    event="upload_done", rank=rank, step=step, part=part, ok=f.exception() is None
+                )
+            )
+            handles.append(result)
+        if args.extra:
+            handles.append(_write_extra(handle, rank, args))
+        handle.seal()
+    for result in handles:
+        upload = getattr(result, "upload_completion", result)
+        try:
+            upload.result()
+        except BaseException as exc:  # CheckpointException derives from BaseException
+            say(event="upload_failed", rank=rank, error=repr(exc)[:500])
+            client.close()
+            os._exit(3)  # the process group is broken: a barrier would hang
+    dist.barrier()
+    say(event="finished", rank=rank, world=world)
+    client.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""Shared fixtures: real daemons (in a subprocess or in-process), real sockets, real roots."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A short directory under /tmp: AF_UNIX paths must fit in 107 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="ck-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """An empty checkpoint root."""
+    path = tmp_path / "run"
+    path.mkdir()
+    return path
+
+
+class DaemonProcess:
+    """``ckptd serve`` as a real subprocess, with its stdout events readable in order."""
+
+    def __init__(self, socket_path: Path, roots: list[Path], *extra: str) -> None:
+        self.socket_path = socket_path
+        self.roots = roots
+        self.extra = list(extra)
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.seen: list[dict[str, Any]] = []
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 30.0) -> DaemonProcess:
+        """Start the daemon and wait for ``daemon.ready``."""
+        cmd = [sys.executable, "-m", "daemon", "serve", "--socket", str(self.socket_path)]
+        for r in self.roots:
+            cmd += ["--root", str(r)]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("CKPTD_SOCKET", None)
+        self.proc = subprocess.Popen(
+            cmd + self.extra, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=REPO
+        )
+        self._pump_thread = threading.Thread(target=self._pump, args=(self.proc,), daemon=True)
+        self._pump_thread.start()
+        self.wait_event("daemon.ready", timeout=timeout)
+        return self
+
+    def _pump(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        with proc.stdout:
+            for raw in proc.stdout:
+                try:
+                    event = json.loads(raw)
+                except ValueError:
+                    event = {"event": "_stdout", "line": raw.decode(errors="replace")}
+                self.events.put(event)
+        self.events.put({"event": "_exit"})
+
+    def wait_event(
+        self,
+        name: str,
+        timeout: float = 30.0,
+        match: Callable[[dict[str, Any]], bool] = lambda _e: True,
+    ) -> dict[str, Any]:
+        """Return the next event ``name`` that matches, failing after ``timeout``."""
+        for event in self.seen:
+            if event["event"] == name and match(event) and not event.get("_taken"):
+                event["_taken"] = True
+                return event
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                event = self.events.get(timeout=max(left, 0.001))
+            except queue.Empty:
+                names = [e["event"] for e in self.seen]
+                raise AssertionError(f"no {name} within {timeout}s; saw {names}") from None
+            self.seen.append(event)
+            if event["event"] == "_exit" and name != "_exit":
+                lines = [e.get("line", e["event"]) for e in self.seen]
+                raise AssertionError(f"daemon exited while waiting for {name}: {lines}")
+            if event["event"] == name and match(event):
+                event["_taken"] = True
+                return event
+
+    def drain(self) -> list[dict[str, Any]]:
+        """Every event so far, without waiting."""
+        while True:
+            try:
+                self.seen.append(self.events.get_nowait())
+            except queue.Empty:
+                return self.seen
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Signal the daemon and return its exit code."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        code = self.proc.wait(timeout)
+        self._pump_thread.join(timeout)
+        return code
+
+    def kill(self) -> None:
+        """SIGKILL the daemon if it still runs, and reap it."""
+        if self.proc is not None:
+            self.stop(signal.SIGKILL)
+
+
+@pytest.fixture
+def daemon_factory(short_dir: Path) -> Iterator[Callable[..., DaemonProcess]]:
+    """Start real daemons; every one still running at the end is killed."""
+    started: list[DaemonProcess] = []
+
+    def make(roots: list[Path], *extra: str, socket_name: str = "d.sock") -> DaemonProcess:
+        daemon = DaemonProcess(short_dir / socket_name, roots, *extra)
+        started.append(daemon)
+        return daemon.start()
+
+    yield make
+    for daemon in started:
+        daemon.kill()
+
+
+class LineClient:
+    """A raw protocol client over a real Unix socket, one JSON object per line."""
+
+    def __init__(self, path: Path, timeout: float = 30.0) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        self.sock.connect(str(path))
+        self.file = self.sock.makefile("rb")
+        self._next = 0
+
+    def send_raw(self, data: bytes) -> None:
+        """Send bytes as they are."""
+        self.sock.sendall(data)
+
+    def recv(self) -> dict[str, Any]:
+        """The next object the daemon sends."""
+        line = self.file.readline()
+        assert line, "daemon closed the connection"
+        result: dict[str, Any] = json.loads(line)
+        return result
+
+    def request(self, op: str, **fields: Any) -> dict[str, Any]:
+        """Send one request with a fresh id; return its reply."""
+        self._next += 1
+        rid = self._next
+        self.send_raw(json.dumps({"op": op, "id": rid, **fields}).encode() + b"\n")
+        while True:
+            reply = self.recv()
+            if reply.get("id") == rid:
+                return reply
+
+    def close(self) -> None:
+        """Close the connection."""
+        self.file.close()
+        self.sock.close()

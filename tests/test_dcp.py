@@ -1,0 +1,271 @@
+"""Real multi-process ``dcp.async_save`` jobs (gloo, CPU) checkpointing through a real daemon."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+from daemon.cli import main
+from tests._dcp_worker import state_for
+from tests.conftest import REPO, DaemonProcess, LineClient
+
+pytestmark = pytest.mark.slow
+
+WORKER = REPO / "tests" / "_dcp_worker.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Job:
+    """``world`` real rank processes running ``tests/_dcp_worker.py``."""
+
+    def __init__(self, daemon: DaemonProcess, root: Path, world: int, *args: str) -> None:
+        self.lines: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.seen: list[dict[str, Any]] = []
+        port = _free_port()
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.pumps: list[threading.Thread] = []
+        for rank in range(world):
+            env = {
+                **os.environ,
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "CKPTD_SOCKET": str(daemon.socket_path),
+                "PYTHONPATH": str(REPO),
+                "OMP_NUM_THREADS": "1",
+            }
+            proc = subprocess.Popen(
+                [sys.executable, str(WORKER), "--root", str(root), *args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=REPO,
+            )
+            self.procs.append(proc)
+            pump = threading.Thread(target=self._pump, args=(proc, rank), daemon=True)
+            pump.start()
+            self.pumps.append(pump)
+
+    def _pump(self, proc: subprocess.Popen[bytes], rank: int) -> None:
+        assert proc.stdout is not None
+        with proc.stdout:
+            for raw in proc.stdout:
+                try:
+                    self.lines.put(json.loads(raw))
+                except ValueError:
+                    self.lines.put({"event": "_output", "rank": rank, "line": raw.decode()[:500]})
+
+    def wait_line(self, event: str, timeout: float = 60.0, **match: Any) -> dict[str, Any]:
+        """The next line from any rank with ``event`` and the given fields."""
+        deadline = time.monotonic() + timeout
+        for line in self.seen:
+            if line["event"] == event and all(line.get(k) == v for k, v in match.items()):
+                self.seen.remove(line)
+                return line
+        while True:
+            try:
+                line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.001))
+            except queue.Empty:
+                raise AssertionError(f"no {event} {match} within {timeout}s: {self.seen}") from None
+            if line["event"] == event and all(line.get(k) == v for k, v in match.items()):
+                return line
+            self.seen.append(line)
+
+    def wait(self, timeout: float = 60.0) -> list[int]:
+        """Exit codes of every rank."""
+        return [p.wait(timeout) for p in self.procs]
+
+    def kill(self) -> None:
+        """Kill every rank still running."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for pump in self.pumps:
+            pump.join(30)
+
+
+@pytest.fixture
+def jobs() -> Iterator[Callable[..., Job]]:
+    started: list[Job] = []
+
+    def make(daemon: DaemonProcess, root: Path, world: int, *args: str) -> Job:
+        job = Job(daemon, root, world, *args)
+        started.append(job)
+        return job
+
+    yield make
+    for job in started:
+        job.kill()
+
+
+def _release(gate: Path) -> None:
+    with open(gate, "wb") as fh:
+        fh.write(b"x")
+
+
+def _assert_loads(
+    step_dir: Path, world: int, step: int, parts: tuple[str, ...] = ("",), numel: int = 4096
+) -> None:
+    """``dcp.load`` from the promoted directory gives back exactly what each rank saved."""
+    for part in parts:
+        for rank in range(world):
+            expected = state_for(rank, step, numel, part)
+            loaded = {k: torch.empty_like(v) for k, v in expected.items()}
+            dcp_load(loaded, checkpoint_id=str(step_dir / part), no_dist=True)
+            for key, value in expected.items():
+                assert torch.equal(loaded[key], value), key
+
+
+def _state(daemon: DaemonProcess, root: Path, step: int) -> str | None:
+    client = LineClient(daemon.socket_path)
+    try:
+        reply = client.request("status", root=str(root))
+    finally:
+        client.close()
+    states = [s["state"] for s in reply["saves"] if s["step"] == step]
+    return states[0] if states else None
+
+
+class TestPromotionWaitsForEveryRank:
+    """A step is promoted only after every rank's upload landed, and then loads intact."""
+
+    @pytest.mark.parametrize("hold_at", ["write", "finish", "extra"])
+    def test_held_upload_blocks_promotion(
+        self,
+        daemon_factory: Callable[..., DaemonProcess],
+        jobs: Callable[..., Job],
+        root: Path,
+        short_dir: Path,
+        hold_at: str,
+    ) -> None:
+        # Each rank saves "model" then "optim" as two async_saves of one step: the shape
+        # of NeMo-RL's bug. The model uploads land; the optimizer upload is held, either
+        # before rank 1 writes its shards ("write") or before the coordinator writes the
+        # optimizer's .metadata ("finish"), or rank 1's plain per-rank file is held
+        # after both DCP uploads landed ("extra"). Renaming now would lose data.
+        held = 0 if hold_at == "finish" else 1
+        gate = short_dir / "gate"
+        os.mkfifo(gate)
+        daemon = daemon_factory([root])
+        job = jobs(
+            daemon,
+            root,
+            2,
+            "--parts",
+            "model,optim",
+            "--hold-rank",
+            str(held),
+            "--hold-at",
+            hold_at,
+            "--gate",
+            str(gate),
+            "--extra",
+        )
+        job.wait_line("held", rank=held)
+        for rank in (0, 1):
+            # Training went on, and each rank's model upload has fully landed.
+            job.wait_line("save_returned", rank=rank, part="optim")
+            assert job.wait_line("upload_done", rank=rank, part="model")["ok"]
+        assert (root / "tmp_step_1" / "model" / ".metadata").is_file()
+        if hold_at == "extra":
+            # Both DCP uploads landed; rank 0 is done; rank 1 still writes its own file.
+            for rank in (0, 1):
+                assert job.wait_line("upload_done", rank=rank, part="optim")["ok"]
+            daemon.wait_event("save.rank_done", match=lambda e: e["rank"] == 0)
+        else:
+            assert not (root / "tmp_step_1" / "optim" / ".metadata").exists()
+        assert _state(daemon, root, 1) == "open"
+        assert not (root / "step_1").exists()
+        _release(gate)
+        promoted = daemon.wait_event("checkpoint.promoted", timeout=60)
+        assert promoted["step"] == 1
+        assert promoted["path"] == str(root / "step_1")
+        assert job.wait() == [0, 0]
+        # Both ranks' done (sent only after their optim upload) preceded the promotion.
+        events = [e["event"] for e in daemon.drain()]
+        assert events.count("save.rank_done") == 2
+        last_done = max(i for i, name in enumerate(events) if name == "save.rank_done")
+        assert events.index("checkpoint.promoting") > last_done
+        assert not (root / "tmp_step_1").exists()
+        for part in ("model", "optim"):
+            assert (root / "step_1" / part / ".metadata").is_file()
+            assert sorted(p.name for p in (root / "step_1" / part).glob("*.distcp")) == [
+                "__0_0.distcp",
+                "__1_0.distcp",
+            ]
+        assert os.readlink(root / "latest") == "step_1"
+        _assert_loads(root / "step_1", 2, 1, ("model", "optim"))
+        assert (root / "step_1" / "extra" / "rank1.bin").stat().st_size == 256 * 64
+
+    def test_several_steps_with_async_stager(
+        self,
+        daemon_factory: Callable[..., DaemonProcess],
+        jobs: Callable[..., Job],
+        root: Path,
+    ) -> None:
+        daemon = daemon_factory([root])
+        job = jobs(daemon, root, 2, "--steps", "1,2,3", "--stager")
+        assert job.wait(120) == [0, 0]
+        promoted = sorted(daemon.wait_event("checkpoint.promoted")["step"] for _ in range(3))
+        assert promoted == [1, 2, 3]
+        for step in (1, 2, 3):
+            _assert_loads(root / f"step_{step}", 2, step)
+        assert os.readlink(root / "latest") == "step_3"
+        assert main(["verify", str(root / "step_3")]) == 0
+
+
+class TestRankDeath:
+    """A rank killed mid-save: never promoted, the event says why, the next step promotes."""
+
+    def test_sigkill_mid_upload(
+        self,
+        daemon_factory: Callable[..., DaemonProcess],
+        jobs: Callable[..., Job],
+        root: Path,
+        short_dir: Path,
+    ) -> None:
+        gate = short_dir / "gate"
+        os.mkfifo(gate)
+        daemon = daemon_factory([root], "--lease", "1")
+        job = jobs(daemon, root, 2, "--hold-rank", "1", "--hold-at", "write", "--gate", str(gate))
+        job.wait_line("held", rank=1)
+        job.procs[1].send_signal(signal.SIGKILL)
+        job.procs[1].wait(30)
+        failed = daemon.wait_event("checkpoint.failed", timeout=60)
+        assert failed["step"] == 1
+        # Either the lease of the dead rank expired or the survivor's upload failed
+        # because its peer vanished; both are reasons, never a promotion.
+        assert "lease" in failed["reason"] or "rank 0 failed" in failed["reason"]
+        job.wait(60)
+        assert not (root / "step_1").exists()
+        assert (root / "tmp_step_1").is_dir()  # kept for inspection
+        assert not (root / "latest").exists()
+
+        job2 = jobs(daemon, root, 2, "--steps", "2")
+        assert job2.wait(120) == [0, 0]
+        daemon.wait_event("checkpoint.promoted", match=lambda e: e["step"] == 2)
+        assert os.readlink(root / "latest") == "step_2"
+        _assert_loads(root / "step_2", 2, 2)
+        assert not (root / "step_1").exists()
