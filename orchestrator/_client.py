@@ -15,6 +15,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Final
@@ -105,6 +106,7 @@ class CheckpointClient:
         self._lock = threading.Lock()
         self._unacked: dict[int, _Outgoing] = {}
         self._saves: dict[tuple[str, int, int], int] = {}
+        self._handles: set[SaveHandle] = set()
         self._writer: asyncio.StreamWriter | None = None
         self._connected = threading.Event()
         self._attempted = threading.Event()
@@ -173,7 +175,36 @@ class CheckpointClient:
         Call this before the save starts writing; add each future with
         :meth:`SaveHandle.add`, then :meth:`SaveHandle.seal`.
         """
-        return SaveHandle(self, root, step, rank, self.begin(root, step, rank, world_size))
+        handle = SaveHandle(self, root, step, rank, self.begin(root, step, rank, world_size))
+        with self._lock:
+            self._handles.add(handle)
+        return handle
+
+    def wait_saves(self, timeout: float | None = None) -> bool:
+        """Block until every save started through this client has reported done or fail.
+
+        What a trainer calls before it exits (``close`` does it too): a process that
+        exits with uploads in flight loses them, and the daemon fails the step once the
+        rank's lease runs out.
+
+        Args:
+            timeout: Longest wait in seconds; None waits as long as the uploads take.
+
+        Returns:
+            Whether every save was reported in time.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            pending = list(self._handles)
+        for handle in pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not handle.wait_local(left):
+                return False
+        return True
+
+    def _forget(self, handle: SaveHandle) -> None:
+        with self._lock:
+            self._handles.discard(handle)
 
     def track(
         self,
@@ -265,16 +296,21 @@ class CheckpointClient:
             return False
         return True
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Flush (while the daemon is reachable), close the connection, stop the thread.
+    def close(self, timeout: float | None = None) -> None:
+        """Finish reporting, then close the connection and stop the background thread.
+
+        Waits for every unsettled save (see :meth:`wait_saves`), then, while the daemon
+        is reachable, for its acknowledgements (at most 5 s).
 
         Args:
-            timeout: Longest wait for outstanding acknowledgements, in seconds.
+            timeout: Longest wait for in-flight uploads, in seconds; None: no limit.
         """
         if self._closed:
             return
+        if not self.wait_saves(timeout):
+            log.warning("ckptd: closing with uploads still in flight after %ss", timeout)
         if self._connected.is_set():
-            self.flush(timeout)
+            self.flush(5.0)
         self._closed = True
         self._loop.call_soon_threadsafe(self._shutdown)
         self._thread.join(timeout=5.0)

@@ -114,8 +114,7 @@ def async_save(
     except BaseException as exc:  # CheckpointException derives from BaseException
         handle.fail(f"async_save raised {type(exc).__name__}: {exc}")
         raise
-    upload: Future[Any] = getattr(result, "upload_completion", result)
-    _inflight[subdir] = upload
+    _inflight[subdir] = _upload_future(result)
     handle.add(result, dcp_dir=subdir or ".", group_rank=dist.get_rank(group))
     if seal:
         handle.seal()
@@ -125,3 +124,8 @@ def async_save(
 def _wait_quietly(future: Future[Any]) -> None:
     # Its outcome was already reported to the daemon by its own handle.
     wait([future])
+
+
+def _upload_future(result: Any) -> Future[Any]:
+    upload: Future[Any] = getattr(result, "upload_completion", result)
+    return upload

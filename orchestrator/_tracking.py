@@ -138,7 +138,7 @@ class SaveHandle:
                 return
             self._finished = True
         self._client.fail(self.root, self.step, self.rank, reason)
-        self._settled.set()
+        self._settle()
 
     def wait_local(self, timeout: float | None = None) -> bool:
         """Block until this rank's parts have resolved and been reported (tests, shutdown)."""
@@ -159,4 +159,8 @@ class SaveHandle:
 
     def _send_done(self) -> None:
         self._client.done(self.root, self.step, self.rank, self._files)
+        self._settle()
+
+    def _settle(self) -> None:
         self._settled.set()
+        self._client._forget(self)

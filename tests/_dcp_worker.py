@@ -155,7 +155,7 @@ def main() -> None:
             upload.result()
         except BaseException as exc:  # CheckpointException derives from BaseException
             say(event="upload_failed", rank=rank, error=repr(exc)[:500])
-            client.close()
+            client.close(timeout=10)
             os._exit(3)  # the process group is broken: a barrier would hang
     dist.barrier()
     say(event="finished", rank=rank, world=world)

@@ -1,0 +1,126 @@
+"""A small data-parallel training job that checkpoints through ckptd.
+
+Run one process per rank (``torchrun --nproc-per-node 2 examples/train.py ROOT``). A tiny
+Llama built from a config (no download) trains on random tokens with AdamW under DDP
+(gloo, CPU). Every ``--every`` steps each rank hands the model and optimizer state to
+``dcp.async_save`` through ``orchestrator.async_save`` and goes straight back to
+training; the node's ckptd promotes ``tmp_step_N`` to ``step_N`` once every rank's
+uploads have landed. On start it resumes from the newest promoted checkpoint, if any.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.nn.parallel import DistributedDataParallel
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import orchestrator
+
+
+def build_model() -> torch.nn.Module:
+    """A Llama small enough to train on two CPU cores."""
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def latest_step(root: str) -> int | None:
+    """The step the root's ``latest`` pointer names (written only by ckptd)."""
+    try:
+        return int(os.readlink(os.path.join(root, "latest")).removeprefix("step_"))
+    except (OSError, ValueError):
+        return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("root", help="checkpoint root the daemon manages")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--every", type=int, default=5, help="checkpoint interval in steps")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="rank %(process)d: %(message)s")
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    model = build_model()
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    client = orchestrator.CheckpointClient()
+
+    start = 0
+    resume = latest_step(args.root)
+    if resume is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        step_dir = os.path.join(args.root, f"step_{resume}")
+        dcp_load({"model": model_sd}, checkpoint_id=os.path.join(step_dir, "model"))
+        dcp_load({"optim": optim_sd}, checkpoint_id=os.path.join(step_dir, "optim"))
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        start = resume
+        if rank == 0:
+            print(f"[train] resumed from {step_dir}", flush=True)
+
+    gen = torch.Generator().manual_seed(1234 + rank)
+    for step in range(start + 1, start + args.steps + 1):
+        tokens = torch.randint(0, 512, (4, 64), generator=gen)
+        loss = ddp(input_ids=tokens, labels=tokens).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step % args.every:
+            continue
+        began = time.perf_counter()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        # Model and optimizer are two DCP directories of one step: one handle, sealed
+        # after both, so the step is promoted only when both have landed on every rank.
+        handle = client.save(args.root, step, rank, world)
+        orchestrator.async_save(
+            {"model": model_sd}, root=args.root, step=step, subdir="model", handle=handle
+        )
+        orchestrator.async_save(
+            {"optim": optim_sd}, root=args.root, step=step, subdir="optim", handle=handle
+        )
+        if rank == 0:
+            info = os.path.join(handle.path, "training_info.json")
+            with open(info, "w") as fh:
+                json.dump({"step": step, "loss": loss.item()}, fh)
+            handle.add_files([orchestrator.FileEntry("training_info.json", os.path.getsize(info))])
+        handle.seal()
+        blocked_ms = (time.perf_counter() - began) * 1000
+        if rank == 0:
+            print(
+                f"[train] step {step:3d}  loss {loss.item():.3f}  "
+                f"checkpoint handed off in {blocked_ms:.1f} ms",
+                flush=True,
+            )
+    # Before exiting, let the last uploads land: a rank that exits mid-upload loses them
+    # (the daemon would then fail the step when the rank's lease runs out).
+    client.wait_saves()
+    last = start + args.steps - (start + args.steps) % args.every
+    if rank == 0 and last > start:
+        outcome = client.wait(args.root, last, timeout=120)
+        print(f"[train] step {last}: {outcome.state} {outcome.path or outcome.reason}", flush=True)
+    client.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
