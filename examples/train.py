@@ -38,7 +38,8 @@ def build_model() -> torch.nn.Module:
         max_position_embeddings=128,
     )
     torch.manual_seed(0)
-    return LlamaForCausalLM(config)
+    model: torch.nn.Module = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]
+    return model
 
 
 def latest_step(root: str) -> int | None:
@@ -50,6 +51,7 @@ def latest_step(root: str) -> int | None:
 
 
 def main() -> None:
+    """Train, checkpointing every ``--every`` steps through the node's ckptd."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("root", help="checkpoint root the daemon manages")
     parser.add_argument("--steps", type=int, default=30)

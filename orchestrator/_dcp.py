@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 
 from ._client import CheckpointClient
-from ._tracking import SaveHandle
+from ._tracking import SaveHandle, describe
 
 __all__ = ["async_save", "checkpoint_group", "default_client"]
 
@@ -112,7 +112,7 @@ def async_save(
             state_dict, checkpoint_id=checkpoint_id, process_group=group, **kwargs
         )
     except BaseException as exc:  # CheckpointException derives from BaseException
-        handle.fail(f"async_save raised {type(exc).__name__}: {exc}")
+        handle.fail(f"async_save raised {describe(exc)}")
         raise
     _inflight[subdir] = _upload_future(result)
     handle.add(result, dcp_dir=subdir or ".", group_rank=dist.get_rank(group))

@@ -21,7 +21,7 @@ from .protocol import FileEntry
 if TYPE_CHECKING:
     from ._client import Begun, CheckpointClient
 
-__all__ = ["SaveHandle", "files_from_metadata"]
+__all__ = ["SaveHandle", "describe", "files_from_metadata"]
 
 
 def files_from_metadata(result: Any, dcp_dir: str, group_rank: int) -> list[FileEntry]:
@@ -51,6 +51,16 @@ def files_from_metadata(result: Any, dcp_dir: str, group_rank: int) -> list[File
     if group_rank == 0:
         entries.append(FileEntry(os.path.normpath(os.path.join(dcp_dir, ".metadata")), 1))
     return sorted(entries, key=lambda e: e.path)
+
+
+def describe(exc: BaseException, limit: int = 2000) -> str:
+    """A one-line reason for ``exc`` that never raises (its ``__str__`` may)."""
+    try:
+        text = str(exc)
+    except Exception:  # a broken __str__ must not lose the failure itself
+        text = "<unprintable>"
+    text = " | ".join(line.strip() for line in text.splitlines() if line.strip())
+    return f"{type(exc).__name__}: {text}"[:limit]
 
 
 class SaveHandle:
@@ -109,7 +119,7 @@ class SaveHandle:
                 return
             exc = fut.exception()
             if exc is not None:
-                self._resolve(None, f"{type(exc).__name__}: {exc}")
+                self._resolve(None, describe(exc))
                 return
             found = [] if dcp_dir is None else files_from_metadata(fut.result(), dcp_dir, rank)
             self._resolve(found, None)

@@ -1,0 +1,156 @@
+"""The trainer-side client against real daemons: never stalls, reconnects, re-sends."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+from torch.distributed.checkpoint.api import CheckpointException
+
+from orchestrator import CheckpointClient, FileEntry
+from tests.conftest import REPO, DaemonProcess
+
+
+class TestDaemonDown:
+    """With no daemon, training goes on and the client says so once."""
+
+    def test_begin_does_not_wait_and_warns_once(
+        self, short_dir: Path, root: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        caplog.set_level(logging.WARNING, logger="orchestrator")
+        client = CheckpointClient(str(short_dir / "nobody.sock"), begin_timeout=60.0)
+        try:
+            start = time.monotonic()
+            results = [client.begin(str(root), step, 0, 1) for step in range(5)]
+            elapsed = time.monotonic() - start
+            for step in range(5):
+                client.done(str(root), step, 0, [FileEntry("x", 1)])
+        finally:
+            client.close(timeout=1.0)
+        # Five begins with a 60 s bound returned long before one bound elapsed.
+        assert elapsed < 30.0
+        assert all(not r.acknowledged for r in results)
+        assert results[0].path == str(root / "tmp_step_0")
+        warnings = [r for r in caplog.records if "unreachable" in r.getMessage()]
+        assert len(warnings) == 1
+        assert str(short_dir / "nobody.sock") in warnings[0].getMessage()
+
+    def test_queries_fail_clearly(self, short_dir: Path) -> None:
+        with CheckpointClient(str(short_dir / "nobody.sock")) as client:
+            assert client.ping(timeout=5.0) is False
+
+
+class TestReconnect:
+    """Saves told to a client survive the daemon starting late or restarting."""
+
+    def test_daemon_started_after_begin(
+        self, daemon_factory: Callable[..., DaemonProcess], short_dir: Path, root: Path
+    ) -> None:
+        client = CheckpointClient(str(short_dir / "d.sock"), begin_timeout=5.0)
+        try:
+            begun = client.begin(str(root), 1, 0, 1)
+            assert not begun.acknowledged
+            daemon = daemon_factory([root])
+            daemon.wait_event("save.begun", match=lambda e: e["step"] == 1)
+            (root / "tmp_step_1").mkdir()
+            (root / "tmp_step_1" / "w.bin").write_bytes(b"w" * 10)
+            client.done(str(root), 1, 0, [FileEntry("w.bin", 10)])
+            assert client.wait(str(root), 1, 30.0).state == "promoted"
+        finally:
+            client.close(timeout=5.0)
+
+    def test_daemon_restart_mid_save(
+        self, daemon_factory: Callable[..., DaemonProcess], short_dir: Path, root: Path
+    ) -> None:
+        daemon = daemon_factory([root])
+        client = CheckpointClient(str(daemon.socket_path), begin_timeout=10.0)
+        try:
+            assert client.begin(str(root), 7, 0, 1).acknowledged
+            daemon.kill()  # SIGKILL: everything in memory is gone
+            restarted = daemon_factory([root])
+            # The client reconnects and tells the new daemon about the save in flight.
+            restarted.wait_event("save.begun", match=lambda e: e["step"] == 7)
+            (root / "tmp_step_7").mkdir()
+            client.done(str(root), 7, 0)
+            assert client.wait(str(root), 7, 30.0).state == "promoted"
+        finally:
+            client.close(timeout=5.0)
+        assert (root / "step_7").is_dir()
+
+
+class TestTrack:
+    """Futures become exactly one done, or a fail, per rank and step."""
+
+    def test_done_only_after_every_future(
+        self, daemon_factory: Callable[..., DaemonProcess], root: Path
+    ) -> None:
+        daemon = daemon_factory([root])
+        first: Future[None] = Future()
+        second: Future[None] = Future()
+        with CheckpointClient(str(daemon.socket_path)) as client:
+            handle = client.track(str(root), 3, 0, 1, [first, second])
+            with pytest.raises(RuntimeError, match="after seal"):
+                handle.add(Future())
+            first.set_result(None)
+            assert not handle.wait_local(0)  # one part still in flight: no done
+            (root / "tmp_step_3").mkdir()
+            second.set_result(None)
+            assert handle.wait_local(30)
+            assert client.wait(str(root), 3, 30.0).state == "promoted"
+        done = [e for e in daemon.drain() if e["event"] == "save.rank_done"]
+        assert len(done) == 1
+
+    def test_checkpoint_exception_fails_the_step(
+        self, daemon_factory: Callable[..., DaemonProcess], root: Path
+    ) -> None:
+        daemon = daemon_factory([root])
+        future: Future[None] = Future()
+        with CheckpointClient(str(daemon.socket_path)) as client:
+            client.track(str(root), 4, 0, 2, future)
+            # DCP's failure type derives from BaseException, not Exception.
+            failure = RuntimeError("disk full")
+            future.set_exception(CheckpointException("upload", {0: (failure, None)}))
+            outcome = client.wait(str(root), 4, 30.0)
+        assert outcome.state == "failed"
+        assert outcome.reason is not None and "CheckpointException" in outcome.reason
+        failed = daemon.wait_event("checkpoint.failed")
+        assert failed["step"] == 4 and "CheckpointException" in failed["reason"]
+        assert "disk full" in failed["reason"]
+
+    def test_unprintable_exception_still_fails_the_step(
+        self, daemon_factory: Callable[..., DaemonProcess], root: Path
+    ) -> None:
+        daemon = daemon_factory([root])
+        future: Future[None] = Future()
+        with CheckpointClient(str(daemon.socket_path)) as client:
+            client.track(str(root), 5, 0, 1, future)
+            # A malformed CheckpointException whose __str__ raises.
+            future.set_exception(CheckpointException("upload", {0: RuntimeError("x")}))  # type: ignore[dict-item]
+            outcome = client.wait(str(root), 5, 30.0)
+        assert outcome.state == "failed"
+        assert daemon.wait_event("checkpoint.failed")["step"] == 5
+
+
+class TestNoTorchInDaemon:
+    """The daemon and the client's import never load torch."""
+
+    def test_imports_stay_light(self) -> None:
+        code = (
+            "import sys, daemon, daemon.cli, orchestrator, orchestrator.protocol\n"
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)\n"
+        )
+        subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+    def test_running_daemon_maps_no_torch(
+        self, daemon_factory: Callable[..., DaemonProcess], root: Path
+    ) -> None:
+        daemon = daemon_factory([root])
+        assert daemon.proc is not None
+        maps = Path(f"/proc/{daemon.proc.pid}/maps").read_text()
+        assert "torch" not in maps
