@@ -6,6 +6,7 @@ import logging
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -115,7 +116,9 @@ class TestTrack:
             client.track(str(root), 4, 0, 2, future)
             # DCP's failure type derives from BaseException, not Exception.
             failure = RuntimeError("disk full")
-            future.set_exception(CheckpointException("upload", {0: (failure, None)}))
+            future.set_exception(
+                CheckpointException("upload", {0: (failure, traceback.StackSummary())})
+            )
             outcome = client.wait(str(root), 4, 30.0)
         assert outcome.state == "failed"
         assert outcome.reason is not None and "CheckpointException" in outcome.reason
