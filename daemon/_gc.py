@@ -21,7 +21,7 @@ TRASH = ".ckptd-trash"
 
 
 def candidates(
-    root: RootConfig, failed: Collection[int], active: Collection[int], min_age: float | None
+    root: RootConfig, failed: Collection[int], active: Collection[int], min_age: float
 ) -> list[int]:
     """Steps whose tmp directory may be removed. Blocking I/O.
 
@@ -35,7 +35,7 @@ def candidates(
             step = root.parse_step(entry.name, root.tmp_prefix)
             if step is None or step in active:
                 continue
-            if step in failed or _idle_for(entry.path) >= (min_age or 0.0):
+            if step in failed or _idle_for(entry.path) >= min_age:
                 found.append(step)
     return sorted(found)
 

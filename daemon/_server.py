@@ -43,6 +43,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
     VERSION = "0+unknown"
 
 _MAX_WAITS_PER_CONN = 256
+_ORPHAN_AGE = 3600.0
 
 
 class Daemon:
@@ -335,9 +336,10 @@ class Daemon:
             for s in self.ledger
             if s.key.root == root.path and s.state not in (p.SaveState.FAILED, p.SaveState.PROMOTED)
         }
-        candidates = await anyio.to_thread.run_sync(
-            _gc.candidates, root, failed, active, self.config.save_timeout
-        )
+        # An unknown tmp dir counts as orphaned only once it could no longer be a save
+        # whose ranks write before they begin.
+        min_age = self.config.save_timeout or _ORPHAN_AGE
+        candidates = await anyio.to_thread.run_sync(_gc.candidates, root, failed, active, min_age)
         if remove and candidates:
             async with self._root_locks[root.path]:
                 await anyio.to_thread.run_sync(_gc.remove, root, candidates)
