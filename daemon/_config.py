@@ -89,13 +89,14 @@ class Config:
     lease: float = 30.0
     """Seconds a rank whose connection dropped mid-save has to reconnect and finish."""
     save_timeout: float | None = 3600.0
-    """Seconds from a save's first begin until an incomplete save fails; None: never."""
+    """Seconds from a save's first begin until an incomplete save fails; None (0 in the
+    TOML file): never."""
     log_level: str = "info"
     """Lowest event level written to stdout: debug, info, warning or error."""
     max_connections: int = 4096
     """Connections served at once; more are closed on accept with an error line."""
     socket_mode: int = 0o660
-    """Permission bits of the socket file."""
+    """Permission bits of the socket file (TOML: ``socket_mode = 0o660``)."""
 
     def __post_init__(self) -> None:
         if not self.roots:
@@ -109,6 +110,10 @@ class Config:
             raise ConfigError(f"save_timeout must be > 0 seconds, got {self.save_timeout}")
         if self.log_level not in _LOG_LEVELS:
             raise ConfigError(f"log_level must be one of {_LOG_LEVELS}, got {self.log_level!r}")
+        if not isinstance(self.socket_mode, int) or not 0 <= self.socket_mode <= 0o777:
+            raise ConfigError(
+                f"socket_mode must be permission bits like 0o660, got {self.socket_mode!r}"
+            )
         if self.max_connections < 1:
             raise ConfigError(f"max_connections must be >= 1, got {self.max_connections}")
         if not self.socket or len(os.fsencode(self.socket)) > 107:
@@ -149,7 +154,15 @@ def load_config(
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {config_file} is not valid TOML: {exc}") from exc
     env = dict(os.environ) if env is None else env
-    known = {"socket", "roots", "lease", "save_timeout", "log_level", "max_connections"}
+    known = {
+        "socket",
+        "roots",
+        "lease",
+        "save_timeout",
+        "log_level",
+        "max_connections",
+        "socket_mode",
+    }
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"unknown keys in {config_file}: {unknown}; known: {sorted(known)}")
@@ -159,6 +172,8 @@ def load_config(
     built = tuple(_root(table, config_file) for table in root_tables)
 
     kwargs: dict[str, Any] = {k: v for k, v in data.items() if k != "roots"}
+    if kwargs.get("save_timeout") == 0:
+        kwargs["save_timeout"] = None  # TOML has no null: 0 turns the limit off
     if "CKPTD_SOCKET" in env and env["CKPTD_SOCKET"]:
         kwargs["socket"] = env["CKPTD_SOCKET"]
     elif "socket" not in kwargs:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
@@ -54,27 +55,38 @@ class Events:
     def __init__(self, *, buffer: int = 4096) -> None:
         self._log = structlog.get_logger("ckptd")
         self._buffer = buffer
-        self._subscribers: set[MemoryObjectSendStream[dict[str, Any]]] = set()
+        self._subscribers: dict[MemoryObjectSendStream[dict[str, Any]], Callable[[], None]] = {}
 
     def emit(self, name: str, level: str = "info", **fields: Any) -> dict[str, Any]:
         """Log event ``name`` with ``fields`` and publish it; returns the event object."""
         timestamp = datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
         getattr(self._log, level)(name, timestamp=timestamp, **fields)
         event = {"event": name, "timestamp": timestamp, "level": level, **fields}
-        for send in list(self._subscribers):
+        dropped: list[Callable[[], None]] = []
+        for send, on_drop in list(self._subscribers.items()):
             try:
                 send.send_nowait(event)
             except anyio.WouldBlock:
-                self._subscribers.discard(send)
+                del self._subscribers[send]
                 send.close()
+                dropped.append(on_drop)
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                self._subscribers.discard(send)
+                del self._subscribers[send]
+        for on_drop in dropped:
+            on_drop()
         return event
 
-    def subscribe(self) -> MemoryObjectReceiveStream[dict[str, Any]]:
-        """A stream of every event from now on; it ends if the reader falls behind."""
+    def subscribe(
+        self, on_drop: Callable[[], None] = lambda: None
+    ) -> MemoryObjectReceiveStream[dict[str, Any]]:
+        """A stream of every event from now on.
+
+        Args:
+            on_drop: Called (on the event loop) when the reader has fallen more than the
+                buffer behind; the stream then receives nothing more.
+        """
         send, receive = anyio.create_memory_object_stream[dict[str, Any]](self._buffer)
-        self._subscribers.add(send)
+        self._subscribers[send] = on_drop
         return receive
 
     def unsubscribe(self, receive: MemoryObjectReceiveStream[dict[str, Any]]) -> None:
@@ -82,5 +94,5 @@ class Events:
         receive.close()
         for send in list(self._subscribers):
             if send.statistics().open_receive_streams == 0:
-                self._subscribers.discard(send)
+                del self._subscribers[send]
                 send.close()

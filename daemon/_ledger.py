@@ -113,7 +113,7 @@ class Ledger:
         self._save_timeout = save_timeout
         self._history = history
         self._saves: dict[SaveKey, SaveRecord] = {}
-        self._settled: deque[SaveKey] = deque()
+        self._settled: deque[tuple[SaveKey, SaveRecord]] = deque()
         self._by_conn: dict[int, set[tuple[SaveKey, int]]] = {}
 
     # -- queries ---------------------------------------------------------------------
@@ -382,11 +382,15 @@ class Ledger:
     def _settle(self, save: SaveRecord, now: float) -> None:
         save.settled_at = now
         for rank, record in save.ranks.items():
+            # A settled save needs no connection: no lease can start for it any more.
             self._detach(record.conn, save.key, rank)
-        self._settled.append(save.key)
+            record.conn = None
+        self._settled.append((save.key, save))
         while len(self._settled) > self._history:
-            old = self._settled.popleft()
-            self._saves.pop(old, None)
+            key, old = self._settled.popleft()
+            # Only this record: the key may have been forgotten and begun again since.
+            if self._saves.get(key) is old:
+                del self._saves[key]
 
 
 def _ids(key: SaveKey, rank: int) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from ._config import RootConfig
 from ._errors import PromotionError
 from ._verify import MANIFEST_NAME, Manifest
 
-__all__ = ["LocalStorage", "Promotion", "Storage", "promote", "read_pointer"]
+__all__ = ["LocalStorage", "Promotion", "Storage", "latest_promoted", "promote", "read_pointer"]
 
 _AT_FDCWD: Final = -100
 _RENAME_NOREPLACE: Final = 1
@@ -112,6 +112,7 @@ class Promotion:
 
     path: str
     pointer_moved: bool
+    pointer_error: str | None = None
 
 
 def promote(storage: Storage, root: RootConfig, step: int, manifest: Manifest) -> Promotion:
@@ -121,9 +122,15 @@ def promote(storage: Storage, root: RootConfig, step: int, manifest: Manifest) -
     ``rename(tmp_step_N, step_N)`` that never replaces; fsync the root; move the pointer
     if this is the newest step.
 
+    Returns:
+        Where the checkpoint is and whether the pointer moved. A pointer that cannot be
+        written does not undo a durable promotion; :attr:`Promotion.pointer_error` says
+        why it stayed.
+
     Raises:
-        PromotionError: a filesystem step failed; which one is in the message. If the
-            rename itself did not happen, nothing is visible and the tmp dir is intact.
+        PromotionError: a step up to the root's fsync failed; which one is in the
+            message. Before the rename nothing is visible and the tmp dir is intact; if
+            the root cannot be fsynced after it, the rename is undone where possible.
     """
     tmp, final = root.tmp_dir(step), root.final_dir(step)
     stage = "write manifest"
@@ -136,15 +143,35 @@ def promote(storage: Storage, root: RootConfig, step: int, manifest: Manifest) -
             storage.fsync(os.path.normpath(os.path.join(tmp, rel)), directory=True)
         stage = "rename"
         storage.rename_noreplace(tmp, final)
-        stage = "fsync root"
-        storage.fsync(root.path, directory=True)
-        stage = "move pointer"
-        moved = _advance_pointer(storage, root, step)
     except OSError as exc:
         raise PromotionError(
             exc.errno or errno.EIO, f"{stage} failed for {tmp}: {exc.strerror or exc}"
         ) from exc
-    return Promotion(path=final, pointer_moved=moved)
+    try:
+        storage.fsync(root.path, directory=True)
+    except OSError as exc:
+        # The rename may not survive a crash: put the save back rather than show a
+        # checkpoint that could vanish.
+        try:
+            storage.rename_noreplace(final, tmp)
+            undo = f"moved back to {tmp}"
+        except OSError as undo_exc:
+            undo = f"could not move it back ({undo_exc.strerror or undo_exc})"
+        raise PromotionError(
+            exc.errno or errno.EIO,
+            f"fsync of {root.path} failed after the rename: {exc.strerror or exc}; {undo}",
+        ) from exc
+    try:
+        moved, error = _advance_pointer(storage, root, step), None
+    except OSError as exc:
+        moved, error = False, f"{root.pointer} not moved: {exc.strerror or exc}"
+    return Promotion(path=final, pointer_moved=moved, pointer_error=error)
+
+
+def latest_promoted(root: RootConfig) -> int | None:
+    """The step the pointer names, if that step's directory exists. Blocking I/O."""
+    step = read_pointer(root)
+    return step if step is not None and os.path.isdir(root.final_dir(step)) else None
 
 
 def read_pointer(root: RootConfig) -> int | None:

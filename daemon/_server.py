@@ -17,7 +17,6 @@ import struct
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
 
 import anyio
 import msgspec
@@ -27,12 +26,12 @@ from orchestrator import protocol as p
 
 from . import _gc, _systemd
 from ._config import Config, RootConfig
+from ._connection import Connection
 from ._errors import ConfigError, PromotionError, RequestError, VerificationError
 from ._events import Events
-from ._framing import TOO_LONG, read_lines
 from ._ledger import Effect, Emit, Ledger, SaveKey, SaveRecord, Settled, Verify
 from ._paths import check_relative, check_tmp_dir
-from ._promoter import LocalStorage, Storage, promote, read_pointer
+from ._promoter import LocalStorage, Storage, latest_promoted, promote
 from ._verify import scan_save
 
 __all__ = ["Daemon", "serve"]
@@ -42,7 +41,7 @@ try:
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
     VERSION = "0+unknown"
 
-_MAX_WAITS_PER_CONN = 256
+_SETTLED = (p.SaveState.PROMOTED, p.SaveState.FAILED)
 _ORPHAN_AGE = 3600.0
 
 
@@ -122,6 +121,14 @@ class Daemon:
                     )
                     self.apply(self.ledger.rejected(key, f"internal error: {exc!r}", self._clock()))
                     return
+                if done.pointer_error is not None:
+                    self.events.emit(
+                        "pointer.failed",
+                        "error",
+                        root=key.root,
+                        step=key.step,
+                        reason=done.pointer_error,
+                    )
                 now = self._clock()
                 self.apply(
                     self.ledger.promoted(
@@ -163,82 +170,26 @@ class Daemon:
             peer = _peer_credentials(stream)
             self.events.emit("client.connected", "info", conn=conn, **peer)
             try:
-                await self._serve_lines(conn, stream)
+                await Connection(self, conn, stream).run()
+            except Exception as exc:  # connection boundary: never take the daemon down
+                self.events.emit("daemon.internal_error", "error", conn=conn, error=repr(exc))
             finally:
                 self._connections -= 1
                 self.apply(self.ledger.disconnect(conn, self._clock()))
                 self.events.emit("client.disconnected", conn=conn)
 
-    async def _serve_lines(self, conn: int, stream: SocketStream) -> None:
-        send_lock = anyio.Lock()
-        waits = anyio.CapacityLimiter(_MAX_WAITS_PER_CONN)
+    async def dispatch(self, conn: int, request: p.Request) -> msgspec.Struct:
+        """Answer one request other than ``wait`` and ``subscribe``.
 
-        async def send(message: msgspec.Struct | dict[str, Any]) -> None:
-            async with send_lock:
-                await stream.send(p.encode(message))
-
-        async with anyio.create_task_group() as tg:
-            try:
-                async for line in read_lines(stream, p.MAX_LINE):
-                    reply = await self._answer(conn, line, send, tg, waits)
-                    if reply is not None:
-                        await send(reply)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                pass
-            finally:
-                tg.cancel_scope.cancel()
-
-    async def _answer(
-        self,
-        conn: int,
-        line: bytes,
-        send: Callable[[Any], Awaitable[None]],
-        tg: TaskGroup,
-        waits: anyio.CapacityLimiter,
-    ) -> msgspec.Struct | None:
-        request_id: int | None = None
-        try:
-            if line is TOO_LONG:
-                raise RequestError(
-                    p.ErrorCode.LINE_TOO_LONG, f"line longer than {p.MAX_LINE} bytes discarded"
-                )
-            try:
-                request = p.decode_request(line)
-            except p.ProtocolError as exc:
-                request_id = exc.request_id
-                raise RequestError(exc.code, str(exc)) from None
-            request_id = request.id
-            if isinstance(request, p.Wait):
-                if waits.borrowed_tokens >= waits.total_tokens:
-                    raise RequestError(p.ErrorCode.TOO_BUSY, "too many waits on this connection")
-                tg.start_soon(self._reply_when_settled, request, send, waits)
-                return None
-            if isinstance(request, p.Subscribe):
-                await send(p.Ack(id=request.id))
-                tg.start_soon(self._forward_events, send)
-                return None
-            return await self._dispatch(conn, request)
-        except RequestError as exc:
-            self.events.emit(
-                "request.rejected",
-                "warning",
-                conn=conn,
-                id=request_id,
-                code=exc.code,
-                message=str(exc),
-            )
-            return _error(request_id, exc.code, str(exc))
-        except Exception as exc:  # connection boundary: log it, answer, keep serving
-            self.events.emit("daemon.internal_error", "error", conn=conn, error=repr(exc))
-            return _error(request_id, p.ErrorCode.INTERNAL, f"internal error: {exc!r}")
-
-    async def _dispatch(self, conn: int, request: p.Request) -> msgspec.Struct:
+        Raises:
+            RequestError: the request must be refused.
+        """
         now = self._clock
         match request:
             case p.Ping():
                 return p.PingReply(id=request.id, version=VERSION)
             case p.Begin(root=root_path, step=step, rank=rank, world_size=world_size):
-                root = self._configured(root_path)
+                root = self.configured(root_path)
                 if self.stopping:
                     raise RequestError(p.ErrorCode.SHUTTING_DOWN, "the daemon is stopping")
                 key = SaveKey(root.path, step)
@@ -249,17 +200,17 @@ class Daemon:
                 assert save is not None
                 return p.BeginReply(id=request.id, path=root.tmp_dir(step), state=save.state)
             case p.Done(root=root_path, step=step, rank=rank, files=files):
-                root = self._configured(root_path)
+                root = self.configured(root_path)
                 for entry in files:
                     check_relative(entry.path)
                 self.apply(self.ledger.done(SaveKey(root.path, step), rank, files, conn, now()))
                 return p.Ack(id=request.id)
             case p.Fail(root=root_path, step=step, rank=rank, reason=reason):
-                root = self._configured(root_path)
+                root = self.configured(root_path)
                 self.apply(self.ledger.fail(SaveKey(root.path, step), rank, reason, now()))
                 return p.Ack(id=request.id)
             case p.Status(root=root_path):
-                only = None if root_path is None else self._configured(root_path).path
+                only = None if root_path is None else self.configured(root_path).path
                 saves = [self._info(s) for s in self.ledger if only in (None, s.key.root)]
                 return p.StatusReply(
                     id=request.id,
@@ -270,60 +221,38 @@ class Daemon:
                     saves=saves,
                 )
             case p.Latest(root=root_path):
-                root = self._configured(root_path)
-                step_found = await anyio.to_thread.run_sync(read_pointer, root)
+                root = self.configured(root_path)
+                step_found = await anyio.to_thread.run_sync(latest_promoted, root)
                 if step_found is None:
                     raise RequestError(p.ErrorCode.NOT_FOUND, f"{root.path} has no promoted step")
-                return p.LatestReply(
-                    id=request.id, path=root.final_dir(step_found), step=step_found
-                )
+                path = root.final_dir(step_found)
+                return p.LatestReply(id=request.id, path=path, step=step_found)
             case p.Gc(root=root_path, remove=remove):
-                root = self._configured(root_path)
+                root = self.configured(root_path)
                 return await self._gc(request.id, root, remove)
         raise RequestError(p.ErrorCode.UNKNOWN_OP, f"unhandled op {type(request).__name__}")
 
-    async def _reply_when_settled(
-        self, request: p.Wait, send: Callable[[Any], Awaitable[None]], waits: anyio.CapacityLimiter
-    ) -> None:
-        async with waits:
-            try:
-                root = self._configured(request.root)
-            except RequestError as exc:
-                await send(_error(request.id, exc.code, str(exc)))
-                return
-            key = SaveKey(root.path, request.step)
-            with anyio.move_on_after(request.timeout):
-                while (save := self.ledger.get(key)) is None or save.state not in (
-                    p.SaveState.PROMOTED,
-                    p.SaveState.FAILED,
+    async def settled(self, request: p.Wait, root: RootConfig) -> p.WaitReply:
+        """The reply to ``wait``, once the step settles or ``request.timeout`` passes."""
+        key = SaveKey(root.path, request.step)
+        with anyio.move_on_after(request.timeout):
+            while (save := self.ledger.get(key)) is None or save.state not in _SETTLED:
+                if save is None and await anyio.to_thread.run_sync(
+                    os.path.isdir, root.final_dir(request.step)
                 ):
-                    if save is None and await anyio.to_thread.run_sync(
-                        os.path.isdir, root.final_dir(request.step)
-                    ):
-                        break
-                    await self._waiters.setdefault(key, anyio.Event()).wait()
-            await send(self._wait_reply(request.id, root, key))
-
-    def _wait_reply(self, request_id: int, root: RootConfig, key: SaveKey) -> p.WaitReply:
+                    break
+                await self._waiters.setdefault(key, anyio.Event()).wait()
         save = self.ledger.get(key)
         if save is None:
-            if os.path.isdir(root.final_dir(key.step)):
-                return p.WaitReply(id=request_id, state="promoted", path=root.final_dir(key.step))
-            return p.WaitReply(id=request_id, state="pending")
+            final = root.final_dir(key.step)
+            if await anyio.to_thread.run_sync(os.path.isdir, final):
+                return p.WaitReply(id=request.id, state="promoted", path=final)
+            return p.WaitReply(id=request.id, state="pending")
         if save.state is p.SaveState.PROMOTED:
-            return p.WaitReply(id=request_id, state="promoted", path=save.path)
+            return p.WaitReply(id=request.id, state="promoted", path=save.path)
         if save.state is p.SaveState.FAILED:
-            return p.WaitReply(id=request_id, state="failed", reason=save.reason)
-        return p.WaitReply(id=request_id, state="pending")
-
-    async def _forward_events(self, send: Callable[[Any], Awaitable[None]]) -> None:
-        stream = self.events.subscribe()
-        try:
-            async for event in stream:
-                await send(event)
-            await send({"event": "subscriber.dropped", "reason": "fell behind the event stream"})
-        finally:
-            self.events.unsubscribe(stream)
+            return p.WaitReply(id=request.id, state="failed", reason=save.reason)
+        return p.WaitReply(id=request.id, state="pending")
 
     async def _gc(self, request_id: int, root: RootConfig, remove: bool) -> p.GcReply:
         failed = {
@@ -339,7 +268,9 @@ class Daemon:
         # An unknown tmp dir counts as orphaned only once it could no longer be a save
         # whose ranks write before they begin.
         min_age = self.config.save_timeout or _ORPHAN_AGE
-        candidates = await anyio.to_thread.run_sync(_gc.candidates, root, failed, active, min_age)
+        on_disk = await anyio.to_thread.run_sync(_gc.candidates, root, failed, active, min_age)
+        # A failed save with no directory left is still listed, so gc can clear it.
+        candidates = sorted(set(on_disk) | failed)
         if remove and candidates:
             async with self._root_locks[root.path]:
                 await anyio.to_thread.run_sync(_gc.remove, root, candidates)
@@ -351,7 +282,12 @@ class Daemon:
 
     # -- helpers -----------------------------------------------------------------------
 
-    def _configured(self, path: str) -> RootConfig:
+    def configured(self, path: str) -> RootConfig:
+        """The configured root ``path`` names.
+
+        Raises:
+            RequestError: ``path`` is not absolute and normalised, or not configured.
+        """
         root = self.config.root_for(path)
         if root is None:
             if not os.path.isabs(path) or os.path.normpath(path) != path:

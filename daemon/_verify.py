@@ -58,7 +58,7 @@ def scan_save(
     referenced shards exist with the sizes it records.
 
     Raises:
-        VerificationError: with every problem found (up to a bound), one per line.
+        VerificationError: with every problem found (up to a bound), joined by ``; ``.
     """
     tmp = root.tmp_dir(step)
     real_tmp = _checked_tmp(root, tmp)

@@ -23,7 +23,7 @@ from orchestrator import protocol as p
 from ._config import RootConfig, default_socket_path, load_config
 from ._errors import ConfigError
 from ._events import configure_logging
-from ._promoter import read_pointer
+from ._promoter import latest_promoted, read_pointer
 from ._server import serve
 from ._verify import MANIFEST_NAME, Manifest, verify_checkpoint
 
@@ -272,8 +272,8 @@ def _latest(args: argparse.Namespace) -> int:
         return 0
     if reply is not None and reply["error"]["code"] != p.ErrorCode.ROOT_NOT_CONFIGURED:
         return _refused(reply)
-    step = read_pointer(root)
-    if step is None or not os.path.isdir(root.final_dir(step)):
+    step = latest_promoted(root)
+    if step is None:
         print(f"ckptd: {root.path} has no promoted checkpoint", file=sys.stderr)
         return 1
     print(root.final_dir(step))
@@ -284,12 +284,15 @@ def _tail(args: argparse.Namespace) -> int:
     path = args.socket or default_socket_path()
     for event in _requests(path, p.Subscribe(id=1), None):
         if "event" not in event:
+            if event.get("ok") is False:
+                return _refused(event)
             continue
         if args.json:
             print(json.dumps(event), flush=True)
         else:
             print(_human_event(event), flush=True)
-    return 0
+    print("ckptd: the daemon closed the event stream", file=sys.stderr)
+    return 1
 
 
 def _human_event(event: dict[str, Any]) -> str:

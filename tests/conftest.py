@@ -177,3 +177,9 @@ class LineClient:
         """Close the connection."""
         self.file.close()
         self.sock.close()
+
+    def __enter__(self) -> LineClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,146 @@
+"""One client connection: bounded lines in, typed requests answered in order.
+
+Requests are answered one after another, so a rank's ``begin`` is always applied before
+its ``done``. ``wait`` is the exception: it is answered from its own task once the step
+settles (at most :data:`MAX_WAITS` per connection). ``subscribe`` turns on a stream of
+event lines alongside the replies. When the client closes its sending side, pending
+waits are still answered before the connection closes. A connection that cannot be
+written to is closed without disturbing anything else.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Final
+
+import anyio
+import msgspec
+from anyio.abc import SocketStream, TaskGroup
+
+from orchestrator import protocol as p
+
+from ._errors import RequestError
+from ._framing import TOO_LONG, read_lines
+
+if TYPE_CHECKING:
+    from ._server import Daemon
+
+__all__ = ["MAX_WAITS", "Connection"]
+
+MAX_WAITS: Final = 256
+"""``wait`` requests pending at once on one connection."""
+
+
+class Connection:
+    """Serves one client of ``daemon`` over ``stream``."""
+
+    def __init__(self, daemon: Daemon, conn_id: int, stream: SocketStream) -> None:
+        self.id = conn_id
+        self._daemon = daemon
+        self._stream = stream
+        self._lock = anyio.Lock()
+        self._waits = 0
+        self._subscribed = False
+        self._closed = False
+        self._scope = anyio.CancelScope()
+
+    async def run(self) -> None:
+        """Read and answer requests until the client goes away or the daemon stops."""
+        with self._scope:
+            async with anyio.create_task_group() as streams:
+                async with anyio.create_task_group() as waits:
+                    async for line in read_lines(self._stream, p.MAX_LINE):
+                        reply = await self._answer(line, waits, streams)
+                        if reply is not None:
+                            await self.send(reply)
+                # End of input: the pending waits above are answered first.
+                streams.cancel_scope.cancel()
+
+    async def send(self, message: msgspec.Struct | dict[str, Any]) -> None:
+        """Write one line; if the client is gone, close the whole connection."""
+        if self._closed:
+            return
+        try:
+            async with self._lock:
+                await self._stream.send(p.encode(message))
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            self._closed = True
+            self._scope.cancel()
+
+    async def _answer(
+        self, line: bytes, waits: TaskGroup, streams: TaskGroup
+    ) -> msgspec.Struct | None:
+        request_id: int | None = None
+        try:
+            if line is TOO_LONG:
+                raise RequestError(
+                    p.ErrorCode.LINE_TOO_LONG, f"line longer than {p.MAX_LINE} bytes discarded"
+                )
+            try:
+                request = p.decode_request(line)
+            except p.ProtocolError as exc:
+                request_id = exc.request_id
+                raise RequestError(exc.code, str(exc)) from None
+            request_id = request.id
+            if isinstance(request, p.Wait):
+                self._start_wait(request, waits)
+                return None
+            if isinstance(request, p.Subscribe):
+                if self._subscribed:
+                    raise RequestError(p.ErrorCode.INVALID_STATE, "already subscribed")
+                self._subscribed = True
+                stream = self._daemon.events.subscribe(self._dropped)
+                await self.send(p.Ack(id=request.id))
+                streams.start_soon(self._forward, stream)
+                return None
+            return await self._daemon.dispatch(self.id, request)
+        except RequestError as exc:
+            self._daemon.events.emit(
+                "request.rejected",
+                "warning",
+                conn=self.id,
+                id=request_id,
+                code=exc.code,
+                message=str(exc),
+            )
+            return _error(request_id, exc.code, str(exc))
+        except Exception as exc:  # connection boundary: log it, answer, keep serving
+            self._daemon.events.emit(
+                "daemon.internal_error", "error", conn=self.id, error=repr(exc)
+            )
+            return _error(request_id, p.ErrorCode.INTERNAL, f"internal error: {exc!r}")
+
+    def _start_wait(self, request: p.Wait, waits: TaskGroup) -> None:
+        if self._waits >= MAX_WAITS:
+            raise RequestError(
+                p.ErrorCode.TOO_BUSY, f"more than {MAX_WAITS} waits pending on this connection"
+            )
+        root = self._daemon.configured(request.root)  # refused here, in order, if unknown
+        self._waits += 1
+
+        async def wait() -> None:
+            try:
+                await self.send(await self._daemon.settled(request, root))
+            finally:
+                self._waits -= 1
+
+        waits.start_soon(wait)
+
+    async def _forward(self, stream: Any) -> None:
+        try:
+            async for event in stream:
+                await self.send(event)
+        finally:
+            self._daemon.events.unsubscribe(stream)
+
+    def _dropped(self) -> None:
+        # This subscriber fell too far behind. Hang up rather than let its backlog grow,
+        # so a follower such as `ckptd tail` notices instead of silently missing events.
+        self._closed = True
+        self._scope.cancel()
+        self._daemon.events.emit(
+            "subscriber.dropped", "warning", conn=self.id, reason="fell behind the event stream"
+        )
+
+
+def _error(request_id: int | None, code: p.ErrorCode, message: str) -> p.ErrorReply:
+    return p.ErrorReply(id=request_id, error=p.ErrorInfo(code=code.value, message=message))
