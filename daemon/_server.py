@@ -219,6 +219,10 @@ class Daemon:
                     uptime_s=round(now() - self._started, 3),
                     roots=[r.path for r in self.config.roots],
                     saves=saves,
+                    layouts=[
+                        p.RootInfo(r.path, r.tmp_prefix, r.final_prefix, r.pointer)
+                        for r in self.config.roots
+                    ],
                 )
             case p.Latest(root=root_path):
                 root = self.configured(root_path)

@@ -187,25 +187,29 @@ def _ranks_summary(save: dict[str, Any]) -> str:
     return f"{done}/{save['world_size']}"
 
 
-def _root_layout(args: argparse.Namespace) -> RootConfig:
+def _root_layout(args: argparse.Namespace, status: dict[str, Any] | None) -> RootConfig:
+    """The root's directory names: the daemon's configuration when it answers."""
     path = os.path.abspath(args.root)
-    return RootConfig(
-        path=path,
-        real=os.path.realpath(path),
-        tmp_prefix=args.tmp_prefix,
-        final_prefix=args.final_prefix,
-        pointer=args.pointer,
-    )
+    names = {"tmp_prefix": args.tmp_prefix, "final_prefix": args.final_prefix}
+    names["pointer"] = args.pointer
+    for layout in (status or {}).get("layouts", []):
+        if path == layout["path"]:
+            names = {k: layout[k] for k in ("tmp_prefix", "final_prefix", "pointer")}
+    return RootConfig(path=path, real=os.path.realpath(path), **names)
+
+
+def _daemon_status(args: argparse.Namespace) -> dict[str, Any] | None:
+    try:
+        reply = _call(args, p.Status(id=1), 5.0)
+    except _Unreachable:
+        return None
+    return reply if reply.get("ok") else None
 
 
 def _ls(args: argparse.Namespace) -> int:
-    root = _root_layout(args)
-    try:
-        known = {
-            s["step"]: s for s in _call(args, p.Status(id=1, root=root.path), 5.0).get("saves", [])
-        }
-    except _Unreachable:
-        known = {}
+    status = _daemon_status(args)
+    root = _root_layout(args, status)
+    known = {s["step"]: s for s in (status or {}).get("saves", []) if s["root"] == root.path}
     latest = read_pointer(root)
     rows: list[dict[str, Any]] = []
     for name in sorted(os.listdir(root.path)):
@@ -262,7 +266,7 @@ def _manifest(path: str) -> Manifest | None:
 
 
 def _latest(args: argparse.Namespace) -> int:
-    root = _root_layout(args)
+    root = _root_layout(args, None)
     try:
         reply = _call(args, p.Latest(id=1, root=root.path), 5.0)
     except _Unreachable:

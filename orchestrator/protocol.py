@@ -38,6 +38,7 @@ __all__ = [
     "ProtocolError",
     "RankInfo",
     "RankState",
+    "RootInfo",
     "Request",
     "SaveInfo",
     "SaveState",
@@ -274,6 +275,15 @@ class SaveInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     reason: str | None = None
 
 
+class RootInfo(msgspec.Struct, frozen=True):
+    """A configured root and how its directories are named."""
+
+    path: str
+    tmp_prefix: str
+    final_prefix: str
+    pointer: str
+
+
 class StatusReply(_Reply, frozen=True, kw_only=True):
     """Reply to ``status``."""
 
@@ -282,6 +292,7 @@ class StatusReply(_Reply, frozen=True, kw_only=True):
     uptime_s: float
     roots: list[str]
     saves: list[SaveInfo]
+    layouts: list[RootInfo] = []
 
 
 class LatestReply(_Reply, frozen=True, kw_only=True):
@@ -299,6 +310,7 @@ class GcReply(_Reply, frozen=True, kw_only=True):
 
 
 _request_decoder: Final = msgspec.json.Decoder(Request)
+_envelope_decoder: Final = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _encoder: Final = msgspec.json.Encoder()
 _OPS: Final = frozenset(
     str(t.__struct_config__.tag)
@@ -330,25 +342,36 @@ def decode_request(line: bytes) -> Request:
         The request.
 
     Raises:
-        ProtocolError: The line is not JSON, not an object with ``op`` and ``id``, names an
-            unknown op, or has a missing, mistyped or out-of-range field.
+        ProtocolError: The line is not UTF-8 JSON, not an object with ``op`` and ``id``,
+            names an unknown op, or has a missing, mistyped or out-of-range field.
     """
+    try:
+        # msgspec skips unknown fields without looking at them; the whole line must
+        # still be UTF-8, as the protocol says.
+        line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(ErrorCode.BAD_JSON, f"not valid UTF-8: {exc}", None) from None
     try:
         return _request_decoder.decode(line)
     except msgspec.ValidationError as exc:
         raise _classify(line, exc) from None
     except msgspec.DecodeError as exc:
         raise ProtocolError(ErrorCode.BAD_JSON, f"not valid JSON: {exc}", None) from None
+    except RecursionError:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "JSON nested too deeply", None) from None
 
 
 def _classify(line: bytes, exc: msgspec.ValidationError) -> ProtocolError:
-    # Only on the error path: parse loosely to say precisely what is wrong.
-    raw: Any = msgspec.json.decode(line)
-    if not isinstance(raw, dict):
+    # Only on the error path: look at the envelope to say precisely what is wrong. Field
+    # values stay raw, so an unreadable value elsewhere cannot hide the op and id.
+    try:
+        raw = _envelope_decoder.decode(line)
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
         return ProtocolError(ErrorCode.BAD_REQUEST, "a request must be a JSON object", None)
-    rid = raw.get("id")
-    request_id = rid if type(rid) is int and -_I64 <= rid <= _I64 else None
-    op = raw.get("op")
+    request_id = _raw_value(raw.get("id"))
+    if type(request_id) is not int or not -_I64 <= request_id <= _I64:
+        request_id = None
+    op = _raw_value(raw.get("op"))
     if not isinstance(op, str):
         return ProtocolError(ErrorCode.BAD_REQUEST, 'a request needs an "op" string', request_id)
     if op not in _OPS:
@@ -359,6 +382,15 @@ def _classify(line: bytes, exc: msgspec.ValidationError) -> ProtocolError:
     if request_id is None:
         return ProtocolError(ErrorCode.BAD_REQUEST, 'a request needs an integer "id"', None)
     return ProtocolError(ErrorCode.INVALID_FIELD, str(exc), request_id)
+
+
+def _raw_value(raw: msgspec.Raw | None) -> Any:
+    if raw is None:
+        return None
+    try:
+        return msgspec.json.decode(raw, type=int | str | float | bool | None)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
 
 
 def encode(message: msgspec.Struct | dict[str, Any]) -> bytes:
