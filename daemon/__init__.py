@@ -10,8 +10,9 @@ from ._config import Config, RootConfig, default_socket_path, load_config
 from ._errors import CkptdError, ConfigError, PromotionError, RequestError, VerificationError
 from ._events import Events, configure_logging
 from ._ledger import Ledger, SaveKey
+from ._lifecycle import serve
 from ._promoter import LocalStorage, Storage
-from ._server import VERSION, Daemon, serve
+from ._server import VERSION, Daemon
 from ._verify import MANIFEST_NAME, Manifest, verify_checkpoint
 
 __all__ = [

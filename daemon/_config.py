@@ -9,7 +9,7 @@ from typing import Any
 
 from ._errors import ConfigError
 
-__all__ = ["Config", "RootConfig", "default_socket_path", "load_config"]
+__all__ = ["Config", "RootConfig", "default_socket_path", "default_state_dir", "load_config"]
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -28,6 +28,18 @@ def default_socket_path(env: dict[str, str] | None = None) -> str:
     if os.getuid() == 0:
         return "/run/ckptd/ckptd.sock"
     return f"/tmp/ckptd-{os.getuid()}/ckptd.sock"
+
+
+def default_state_dir(env: dict[str, str] | None = None) -> str:
+    """Where the journal lives.
+
+    ``/var/lib/ckptd`` as root, else ``$XDG_STATE_HOME/ckptd`` (``~/.local/state/ckptd``).
+    """
+    env = dict(os.environ) if env is None else env
+    if os.getuid() == 0:
+        return "/var/lib/ckptd"
+    base = env.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "ckptd")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -97,6 +109,8 @@ class Config:
     """Connections served at once; more are closed on accept with an error line."""
     socket_mode: int = 0o660
     """Permission bits of the socket file (TOML: ``socket_mode = 0o660``)."""
+    state_dir: str = field(default_factory=default_state_dir)
+    """Directory of the journal; one daemon per state directory."""
 
     def __post_init__(self) -> None:
         if not self.roots:
@@ -116,6 +130,8 @@ class Config:
             )
         if self.max_connections < 1:
             raise ConfigError(f"max_connections must be >= 1, got {self.max_connections}")
+        if not os.path.isabs(self.state_dir):
+            raise ConfigError(f"state_dir {self.state_dir!r} must be an absolute path")
         if not self.socket or len(os.fsencode(self.socket)) > 107:
             raise ConfigError(
                 f"socket path {self.socket!r} is empty or longer than the 107 bytes AF_UNIX "
@@ -137,6 +153,7 @@ def load_config(
     roots: list[str] | None = None,
     lease: float | None = None,
     log_level: str | None = None,
+    state_dir: str | None = None,
     env: dict[str, str] | None = None,
 ) -> Config:
     """Merge defaults, the TOML file, the environment and flags (later wins).
@@ -162,6 +179,7 @@ def load_config(
         "log_level",
         "max_connections",
         "socket_mode",
+        "state_dir",
     }
     unknown = sorted(set(data) - known)
     if unknown:
@@ -178,7 +196,9 @@ def load_config(
         kwargs["socket"] = env["CKPTD_SOCKET"]
     elif "socket" not in kwargs:
         kwargs["socket"] = default_socket_path(env)
-    flags = {"socket": socket, "lease": lease, "log_level": log_level}
+    flags = {"socket": socket, "lease": lease, "log_level": log_level, "state_dir": state_dir}
+    if state_dir is not None:
+        flags["state_dir"] = os.path.abspath(state_dir)
     kwargs.update({k: v for k, v in flags.items() if v is not None})
     try:
         return Config(roots=built, **kwargs)

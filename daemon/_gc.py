@@ -14,7 +14,7 @@ from collections.abc import Collection
 
 from ._config import RootConfig
 
-__all__ = ["TRASH", "candidates", "remove"]
+__all__ = ["TRASH", "candidates", "remove", "unknown_tmp_dirs"]
 
 TRASH = ".ckptd-trash"
 """Directory inside each root where removed saves go before they are deleted."""
@@ -38,6 +38,13 @@ def candidates(
             if step in failed or _idle_for(entry.path) >= min_age:
                 found.append(step)
     return sorted(found)
+
+
+def unknown_tmp_dirs(root: RootConfig, known: Collection[int]) -> list[int]:
+    """Steps with a tmp directory in ``root`` that are not in ``known``. Blocking I/O."""
+    with os.scandir(root.path) as entries:
+        steps = (root.parse_step(e.name, root.tmp_prefix) for e in entries)
+        return sorted(s for s in steps if s is not None and s not in known)
 
 
 def remove(root: RootConfig, steps: Collection[int]) -> None:

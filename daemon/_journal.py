@@ -10,10 +10,12 @@ snapshot of the live state so it does not grow without bound.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import struct
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -80,8 +82,6 @@ class JSaveFailed(_Record, frozen=True, tag="x"):
 
 class JIntent(_Record, frozen=True, tag="i"):
     """Verification passed; the rename to ``step_N`` may happen from here on."""
-
-    at: float
 
 
 class JPromoted(_Record, frozen=True, tag="p"):
@@ -161,6 +161,12 @@ class Journal:
         os.makedirs(os.path.dirname(self.path) or ".", mode=0o700, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
+            try:  # one daemon per journal: a second one would interleave its appends
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise OSError(
+                    errno.EWOULDBLOCK, "another ckptd is using this state directory", self.path
+                ) from None
             with os.fdopen(os.dup(fd), "rb") as fh:
                 replay = parse(fh.read())
             if replay.dropped_bytes:
@@ -201,8 +207,20 @@ class Journal:
         if batch.error is not None:
             raise batch.error
 
-    async def run(self) -> None:
-        """Write batches as they fill; one write and one fsync per batch. Runs forever."""
+    async def run(
+        self,
+        snapshot: Callable[[], list[JournalRecord]] | None = None,
+        compact_at: int = 64 * 1024 * 1024,
+    ) -> None:
+        """Write batches as they fill; one write and one fsync per batch. Runs forever.
+
+        Args:
+            snapshot: Records rebuilding the live state; when given, the journal is
+                compacted to them between batches once it exceeds ``compact_at`` bytes
+                and twice its size after the last compaction.
+            compact_at: Size in bytes that triggers compaction.
+        """
+        floor = self._size
         while True:
             await self._wake.wait()
             self._wake = anyio.Event()
@@ -215,6 +233,14 @@ class Journal:
                 except OSError as exc:
                     batch.error = exc
                 batch.done.set()
+                if snapshot is not None and self._size > max(compact_at, 2 * floor):
+                    # Between batches: nothing else writes the file now. Changes already
+                    # in the next batch may also be in the snapshot; replay is idempotent.
+                    try:
+                        await anyio.to_thread.run_sync(self.compact, snapshot())
+                    except OSError:
+                        pass  # keep appending to the old file; retried after a batch
+                    floor = self._size
 
     def _write(self, data: bytes) -> None:
         view = memoryview(data)
@@ -248,10 +274,14 @@ class Journal:
             os.fsync(fd)
         finally:
             os.close(fd)
+        # Lock the new file before the rename makes it the journal, so no other daemon
+        # can take it between the rename and this daemon reopening it.
+        fd = os.open(tmp, os.O_RDWR | os.O_CLOEXEC)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.replace(tmp, self.path)
         _fsync_dir(os.path.dirname(self.path))
         self.close()
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+        self._fd = fd
         os.lseek(self._fd, 0, os.SEEK_END)
         self._size = len(data)
 

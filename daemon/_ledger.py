@@ -1,8 +1,9 @@
 """The ledger: every in-flight save as a pure state machine.
 
 No I/O and no clock: the server passes the time in and carries out the returned effects
-(emit an event, start verification, wake waiters). Every input is one method call, so a
-journal can record the calls and replay them to rebuild the same ledger.
+(emit an event, start verification, wake waiters). Every change of state also queues a
+journal record (:meth:`Ledger.drain_records`); :meth:`Ledger.replay` applies those
+records to rebuild the same ledger after a restart.
 
 A save is keyed by ``(root, step)``. Its ranks are the writers the daemon has heard from;
 it becomes ``VERIFYING`` only when ranks ``0..world_size-1`` have all begun and are all
@@ -19,6 +20,16 @@ from typing import Any, NamedTuple
 from orchestrator.protocol import ErrorCode, FileEntry, RankState, SaveState
 
 from ._errors import RequestError
+from ._journal import (
+    JBegin,
+    JDone,
+    JFail,
+    JForget,
+    JIntent,
+    JournalRecord,
+    JPromoted,
+    JSaveFailed,
+)
 
 __all__ = ["Effect", "Emit", "Ledger", "RankRecord", "SaveKey", "SaveRecord", "Settled", "Verify"]
 
@@ -115,6 +126,8 @@ class Ledger:
         self._saves: dict[SaveKey, SaveRecord] = {}
         self._settled: deque[tuple[SaveKey, SaveRecord]] = deque()
         self._by_conn: dict[int, set[tuple[SaveKey, int]]] = {}
+        self._outbox: list[JournalRecord] = []
+        self._replaying = False
 
     # -- queries ---------------------------------------------------------------------
 
@@ -174,6 +187,7 @@ class Ledger:
             raise RequestError(ErrorCode.INVALID_STATE, f"step {key.step} is {save.state}")
         save.ranks[rank] = RankRecord(state=RankState.WRITING, begun_at=now, conn=conn)
         self._attach(conn, key, rank)
+        self._record(JBegin(key.root, key.step, rank, world_size, now))
         return [Emit("save.begun", {**_ids(key, rank), "world_size": world_size})]
 
     def done(
@@ -198,6 +212,7 @@ class Ledger:
             raise RequestError(ErrorCode.INVALID_STATE, f"rank {rank} already failed")
         record.state = RankState.DONE
         record.files = tuple(files)
+        self._record(JDone(key.root, key.step, rank, list(files), now))
         record.lease_deadline = None
         self._detach(record.conn, key, rank)
         record.conn = conn
@@ -275,6 +290,7 @@ class Ledger:
         """Verification passed: the save is about to be renamed."""
         save = self._require(key, SaveState.VERIFYING)
         save.state = SaveState.PROMOTING
+        self._record(JIntent(key.root, key.step))
         return [Emit("checkpoint.promoting", {"root": key.root, "step": key.step})]
 
     def promoted(self, key: SaveKey, path: str, now: float, **fields: Any) -> list[Effect]:
@@ -282,6 +298,7 @@ class Ledger:
         save = self._require(key, SaveState.PROMOTING)
         save.state = SaveState.PROMOTED
         save.path = path
+        self._record(JPromoted(key.root, key.step, path, now))
         self._settle(save, now)
         event = {
             "root": key.root,
@@ -307,6 +324,89 @@ class Ledger:
         save = self._saves.get(key)
         if save is not None and save.state in _TERMINAL:
             del self._saves[key]
+            self._record(JForget(key.root, key.step))
+
+    # -- journal -----------------------------------------------------------------------
+
+    def drain_records(self) -> list[JournalRecord]:
+        """The journal records of every change since the last call, oldest first."""
+        records, self._outbox = self._outbox, []
+        return records
+
+    def replay(self, record: JournalRecord, now: float) -> None:
+        """Apply one journaled record (``now``: its time in ledger time). No effects.
+
+        Raises:
+            RequestError: the record does not fit the ledger (e.g. a duplicate kept by
+                a compaction racing a batch); the caller skips it.
+        """
+        key = SaveKey(record.root, record.step)
+        self._replaying = True
+        try:
+            match record:
+                case JBegin(rank=rank, world_size=world_size):
+                    self.begin(key, rank, world_size, None, now)
+                case JDone(rank=rank, files=files):
+                    self.done(key, rank, files, None, now)
+                case JFail(rank=rank, reason=reason):
+                    save, rank_record = self._rank(key, rank)
+                    if save.state not in _TERMINAL:
+                        self._fail_rank(save, rank, rank_record, reason, now)
+                case JSaveFailed(reason=reason):
+                    self.rejected(key, reason, now)
+                case JIntent():
+                    found = self._saves.get(key)
+                    if found is not None and found.state is SaveState.VERIFYING:
+                        self.verified(key)
+                case JPromoted(path=path):
+                    found = self._saves.get(key)
+                    if found is not None and found.state is SaveState.PROMOTING:
+                        self.promoted(key, path, now)
+                case JForget():
+                    self.forget(key)
+        finally:
+            self._replaying = False
+
+    def rearm(self, now: float) -> list[Effect]:
+        """After a restart: every rank still writing gets a lease from ``now``."""
+        effects: list[Effect] = []
+        for save in self._saves.values():
+            if save.state is not SaveState.OPEN:
+                continue
+            for rank, record in sorted(save.ranks.items()):
+                if record.state is RankState.WRITING and record.conn is None:
+                    record.lease_deadline = now + self._lease
+                    effects.append(
+                        Emit(
+                            "save.rank_disconnected",
+                            {**_ids(save.key, rank), "lease_s": self._lease},
+                        )
+                    )
+        return effects
+
+    def snapshot(self) -> list[JournalRecord]:
+        """Records that rebuild the current state (for compacting the journal)."""
+        out: list[JournalRecord] = []
+        for save in sorted(self._saves.values(), key=lambda s: s.first_begin):
+            root, step = save.key
+            for rank, rec in sorted(save.ranks.items()):
+                out.append(JBegin(root, step, rank, save.world_size, rec.begun_at))
+                if rec.state is RankState.DONE:
+                    out.append(JDone(root, step, rank, list(rec.files), rec.begun_at))
+                elif rec.state is RankState.FAILED and rec.reason is not None:
+                    out.append(JFail(root, step, rank, rec.reason, save.settled_at or 0.0))
+            failed_rank = any(r.state is RankState.FAILED for r in save.ranks.values())
+            if save.state is SaveState.FAILED and not failed_rank:
+                out.append(JSaveFailed(root, step, save.reason or "", save.settled_at or 0.0))
+            if save.state in (SaveState.PROMOTING, SaveState.PROMOTED):
+                out.append(JIntent(root, step))
+            if save.state is SaveState.PROMOTED and save.path is not None:
+                out.append(JPromoted(root, step, save.path, save.settled_at or 0.0))
+        return out
+
+    def _record(self, record: JournalRecord) -> None:
+        if not self._replaying:
+            self._outbox.append(record)
 
     # -- internals ---------------------------------------------------------------------
 
@@ -365,12 +465,17 @@ class Ledger:
         record.state = RankState.FAILED
         record.reason = reason
         record.lease_deadline = None
+        self._record(JFail(save.key.root, save.key.step, rank, reason, now))
         effects: list[Effect] = [
             Emit("save.rank_failed", {**_ids(save.key, rank), "reason": reason}, "warning")
         ]
-        return effects + self._fail_save(save, reason, now)
+        return effects + self._fail_save(save, reason, now, journal=False)
 
-    def _fail_save(self, save: SaveRecord, reason: str, now: float) -> list[Effect]:
+    def _fail_save(
+        self, save: SaveRecord, reason: str, now: float, *, journal: bool = True
+    ) -> list[Effect]:
+        if journal:  # a rank's failure already recorded the save's
+            self._record(JSaveFailed(save.key.root, save.key.step, reason, now))
         save.state = SaveState.FAILED
         save.reason = reason
         for record in save.ranks.values():

@@ -21,7 +21,15 @@ from ._config import RootConfig
 from ._errors import PromotionError
 from ._verify import MANIFEST_NAME, Manifest
 
-__all__ = ["LocalStorage", "Promotion", "Storage", "latest_promoted", "promote", "read_pointer"]
+__all__ = [
+    "LocalStorage",
+    "Promotion",
+    "Storage",
+    "finish",
+    "latest_promoted",
+    "promote",
+    "read_pointer",
+]
 
 _AT_FDCWD: Final = -100
 _RENAME_NOREPLACE: Final = 1
@@ -147,19 +155,37 @@ def promote(storage: Storage, root: RootConfig, step: int, manifest: Manifest) -
         raise PromotionError(
             exc.errno or errno.EIO, f"{stage} failed for {tmp}: {exc.strerror or exc}"
         ) from exc
+    return _after_rename(storage, root, step, undo=True)
+
+
+def finish(storage: Storage, root: RootConfig, step: int) -> Promotion:
+    """Finish a promotion whose rename happened before a restart: fsync, pointer.
+
+    Raises:
+        PromotionError: the root cannot be fsynced.
+    """
+    return _after_rename(storage, root, step, undo=False)
+
+
+def _after_rename(storage: Storage, root: RootConfig, step: int, *, undo: bool) -> Promotion:
+    tmp, final = root.tmp_dir(step), root.final_dir(step)
     try:
         storage.fsync(root.path, directory=True)
     except OSError as exc:
+        if not undo:
+            raise PromotionError(
+                exc.errno or errno.EIO, f"fsync of {root.path} failed: {exc.strerror or exc}"
+            ) from exc
         # The rename may not survive a crash: put the save back rather than show a
         # checkpoint that could vanish.
         try:
             storage.rename_noreplace(final, tmp)
-            undo = f"moved back to {tmp}"
+            outcome = f"moved back to {tmp}"
         except OSError as undo_exc:
-            undo = f"could not move it back ({undo_exc.strerror or undo_exc})"
+            outcome = f"could not move it back ({undo_exc.strerror or undo_exc})"
         raise PromotionError(
             exc.errno or errno.EIO,
-            f"fsync of {root.path} failed after the rename: {exc.strerror or exc}; {undo}",
+            f"fsync of {root.path} failed after the rename: {exc.strerror or exc}; {outcome}",
         ) from exc
     try:
         moved, error = _advance_pointer(storage, root, step), None

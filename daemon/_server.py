@@ -1,40 +1,40 @@
-"""The daemon: a Unix-socket server feeding the ledger and carrying out its effects.
+"""The daemon: requests feed the ledger; its changes are journaled, then carried out.
 
-One task per connection reads lines, decodes typed requests and answers each in order
-(``wait`` replies later, from its own task). Ledger effects become events, promotions
-and woken waiters. Promotions run in worker threads inside shielded scopes and finish
-even while the daemon shuts down.
+Every change is durable in the journal before its reply is sent or its event emitted
+(:meth:`Daemon.commit`). Ledger effects become events, promotions and woken waiters.
+Promotions run in worker threads inside shielded scopes and finish even while the daemon
+shuts down; on start, :meth:`Daemon.recover` rebuilds the ledger from the journal and
+finishes what a previous run left half done.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-import signal
 import socket
-import stat
 import struct
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 
 import anyio
 import msgspec
-from anyio.abc import SocketAttribute, SocketListener, SocketStream, TaskGroup, TaskStatus
+from anyio.abc import SocketAttribute, SocketStream, TaskGroup
 
 from orchestrator import protocol as p
 
-from . import _gc, _systemd
+from . import _gc, _promoter
 from ._config import Config, RootConfig
 from ._connection import Connection
-from ._errors import ConfigError, PromotionError, RequestError, VerificationError
+from ._errors import PromotionError, RequestError, VerificationError
 from ._events import Events
+from ._journal import Journal, JournalRecord, Replay
 from ._ledger import Effect, Emit, Ledger, SaveKey, SaveRecord, Settled, Verify
 from ._paths import check_relative, check_tmp_dir
-from ._promoter import LocalStorage, Storage, latest_promoted, promote
-from ._verify import scan_save
+from ._promoter import LocalStorage, Storage, latest_promoted
+from ._verify import read_manifest, scan_save
 
-__all__ = ["Daemon", "serve"]
+__all__ = ["VERSION", "Daemon"]
 
 try:
     VERSION = version("ckptd")
@@ -51,6 +51,7 @@ class Daemon:
     Args:
         config: Validated configuration.
         storage: Filesystem writes used by promotion.
+        journal: The open journal; None keeps state in memory only.
         clock: Monotonic clock in seconds; the ledger sees time only through it.
     """
 
@@ -59,6 +60,7 @@ class Daemon:
         config: Config,
         *,
         storage: Storage | None = None,
+        journal: Journal | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
@@ -72,10 +74,39 @@ class Daemon:
         self._waiters: dict[SaveKey, anyio.Event] = {}
         self._root_locks = {root.path: anyio.Lock() for root in config.roots}
         self._changed = anyio.Event()
-        self._promotions: TaskGroup | None = None
+        self._journal = journal
+        self._promoting = 0
+        self._idle = anyio.Event()
+        self._idle.set()
+        self.promotions: TaskGroup | None = None
+        """Where promotions run; set by ``serve`` before any request is handled."""
         self.stopping = False
 
     # -- effects -----------------------------------------------------------------------
+
+    async def commit(self, effects: Sequence[Effect]) -> None:
+        """Journal the ledger's latest changes durably, then carry out ``effects``.
+
+        Raises:
+            RequestError: (``unavailable``) the journal could not be written; the change
+                is in memory but not durable, so the request must not be acknowledged.
+        """
+        records = self.ledger.drain_records()
+        failure: OSError | None = None
+        if records and self._journal is not None:
+            try:
+                await self._journal.append([self._walled(r) for r in records])
+            except OSError as exc:
+                failure = exc
+                self.events.emit(
+                    "journal.failed", "error", path=self._journal.path, error=_why(exc)
+                )
+        self.apply(effects)
+        if failure is not None:
+            raise RequestError(
+                p.ErrorCode.UNAVAILABLE,
+                f"the change could not be made durable ({_why(failure)}); retry",
+            )
 
     def apply(self, effects: Sequence[Effect]) -> None:
         """Carry out ledger effects: events, promotions, woken waiters."""
@@ -83,64 +114,153 @@ class Daemon:
             if isinstance(effect, Emit):
                 self.events.emit(effect.name, effect.level, **effect.fields)
             elif isinstance(effect, Verify):
-                assert self._promotions is not None, "promotions start only while serving"
-                self._promotions.start_soon(self._promote, effect.key)
+                assert self.promotions is not None, "promotions start only while serving"
+                self._start_promotion(effect.key)
             elif isinstance(effect, Settled):
                 waiter = self._waiters.pop(effect.key, None)
                 if waiter is not None:
                     waiter.set()
         self._changed.set()
 
+    def journal_snapshot(self) -> list[JournalRecord]:
+        """Records rebuilding the current state, for compacting the journal."""
+        return [self._walled(r) for r in self.ledger.snapshot()]
+
+    def _walled(self, record: JournalRecord) -> JournalRecord:
+        """The record with its ledger time turned into wall-clock time."""
+        at = getattr(record, "at", None)
+        if at is None:
+            return record
+        return msgspec.structs.replace(record, at=time.time() - (self._clock() - at))
+
+    # -- promotion ---------------------------------------------------------------------
+
+    def _start_promotion(self, key: SaveKey) -> None:
+        assert self.promotions is not None
+        self._promoting += 1
+        self._idle = anyio.Event()
+        self.promotions.start_soon(self._promote, key)
+
+    async def promotions_idle(self) -> None:
+        """Return once no promotion is in flight."""
+        while self._promoting:
+            await self._idle.wait()
+
     async def _promote(self, key: SaveKey) -> None:
-        with anyio.CancelScope(shield=True):
-            root = self._root(key.root)
-            async with self._root_locks[root.path]:
-                save = self.ledger.get(key)
-                if save is None or save.state is not p.SaveState.VERIFYING:
-                    return
-                start = self._clock()
-                try:
-                    manifest = await anyio.to_thread.run_sync(
-                        scan_save, root, key.step, save.world_size, save.reported_files()
-                    )
-                    self.apply(self.ledger.verified(key))
-                    done = await anyio.to_thread.run_sync(
-                        promote, self._storage, root, key.step, manifest
-                    )
-                except VerificationError as exc:
-                    reason = f"verification failed: {exc}"
-                    self.apply(self.ledger.rejected(key, reason, self._clock()))
-                    return
-                except PromotionError as exc:
-                    reason = f"promotion failed: {exc}"
-                    self.apply(self.ledger.rejected(key, reason, self._clock()))
-                    return
-                except Exception as exc:  # a bug must fail the save, not kill the daemon
-                    self.events.emit(
-                        "daemon.internal_error", "error", where="promote", error=repr(exc)
-                    )
-                    self.apply(self.ledger.rejected(key, f"internal error: {exc!r}", self._clock()))
-                    return
-                if done.pointer_error is not None:
-                    self.events.emit(
-                        "pointer.failed",
-                        "error",
-                        root=key.root,
-                        step=key.step,
-                        reason=done.pointer_error,
-                    )
-                now = self._clock()
-                self.apply(
-                    self.ledger.promoted(
-                        key,
-                        done.path,
-                        now,
-                        bytes=manifest.bytes,
-                        files=len(manifest.files),
-                        promotion_ms=round((now - start) * 1000, 3),
-                        latest=done.pointer_moved,
-                    )
+        try:
+            with anyio.CancelScope(shield=True):
+                root = self._root(key.root)
+                async with self._root_locks[root.path]:
+                    await self._promote_locked(root, key)
+        finally:
+            self._promoting -= 1
+            if not self._promoting:
+                self._idle.set()
+
+    async def _promote_locked(self, root: RootConfig, key: SaveKey) -> None:
+        save = self.ledger.get(key)
+        if save is None or save.state not in (p.SaveState.VERIFYING, p.SaveState.PROMOTING):
+            return
+        start = self._clock()
+        resumed = save.state is p.SaveState.PROMOTING  # intent journaled before a restart
+        try:
+            if resumed and await anyio.to_thread.run_sync(_renamed, root, key.step):
+                # The rename happened before the restart: finish, never redo it.
+                manifest = await anyio.to_thread.run_sync(read_manifest, root.final_dir(key.step))
+                done = await anyio.to_thread.run_sync(
+                    _promoter.finish, self._storage, root, key.step
                 )
+            else:
+                manifest = await anyio.to_thread.run_sync(
+                    scan_save, root, key.step, save.world_size, save.reported_files()
+                )
+                if not resumed:
+                    # The intent is durable before the rename can happen.
+                    await self.commit(self.ledger.verified(key))
+                done = await anyio.to_thread.run_sync(
+                    _promoter.promote, self._storage, root, key.step, manifest
+                )
+        except VerificationError as exc:
+            await self._reject(key, f"verification failed: {exc}")
+            return
+        except PromotionError as exc:
+            await self._reject(key, f"promotion failed: {exc}")
+            return
+        except RequestError as exc:  # the intent could not be journaled: do not rename
+            await self._reject(key, f"promotion not started: {exc}")
+            return
+        except Exception as exc:  # a bug must fail the save, not kill the daemon
+            self.events.emit("daemon.internal_error", "error", where="promote", error=repr(exc))
+            await self._reject(key, f"internal error: {exc!r}")
+            return
+        if done.pointer_error is not None:
+            self.events.emit(
+                "pointer.failed", "error", root=key.root, step=key.step, reason=done.pointer_error
+            )
+        now = self._clock()
+        fields = {
+            "bytes": manifest.bytes,
+            "files": len(manifest.files),
+            "promotion_ms": round((now - start) * 1000, 3),
+            "latest": done.pointer_moved,
+        }
+        if resumed:
+            fields["resumed"] = True
+        try:
+            await self.commit(self.ledger.promoted(key, done.path, now, **fields))
+        except RequestError:
+            pass  # on disk it is promoted; recovery finds the rename done
+
+    async def _reject(self, key: SaveKey, reason: str) -> None:
+        try:
+            await self.commit(self.ledger.rejected(key, reason, self._clock()))
+        except RequestError:
+            pass  # already reported as journal.failed; recovery verifies again
+
+    # -- recovery ----------------------------------------------------------------------
+
+    async def recover(self, replay: Replay) -> None:
+        """Rebuild the ledger from the journal and finish what was left half done.
+
+        Saves in flight get their ranks' leases re-armed (ranks that reconnect and send
+        ``done`` complete them); saves whose ranks were all done are verified again; a
+        promotion whose intent was journaled is finished exactly once. Unknown
+        ``tmp_step_*`` directories are reported as orphans, never touched.
+        """
+        now, wall = self._clock(), time.time()
+        skipped = 0
+        for record in replay.records:
+            at = getattr(record, "at", wall)
+            try:
+                self.ledger.replay(record, now - (wall - at))
+            except (RequestError, RuntimeError):
+                skipped += 1  # a duplicate a compaction kept; the state already has it
+        self.apply(self.ledger.rearm(now))
+        if self._journal is not None:
+            await anyio.to_thread.run_sync(self._journal.compact, self.journal_snapshot())
+        resumed = [
+            s.key for s in self.ledger if s.state in (p.SaveState.VERIFYING, p.SaveState.PROMOTING)
+        ]
+        for key in resumed:
+            self._start_promotion(key)
+        orphans = 0
+        for root in self.config.roots:
+            known = {s.key.step for s in self.ledger if s.key.root == root.path}
+            for step in await anyio.to_thread.run_sync(_gc.unknown_tmp_dirs, root, known):
+                orphans += 1
+                path = root.tmp_dir(step)
+                self.events.emit("save.orphaned", "warning", root=root.path, step=step, path=path)
+        self.events.emit(
+            "daemon.recovered",
+            records=len(replay.records),
+            skipped=skipped,
+            dropped_bytes=replay.dropped_bytes,
+            problem=replay.problem,
+            saves=len(self.ledger),
+            in_flight=sum(1 for s in self.ledger if s.state is p.SaveState.OPEN),
+            resumed=len(resumed),
+            orphans=orphans,
+        )
 
     async def timekeeper(self) -> None:
         """Fail saves whose lease or deadline passes, waking exactly when one does."""
@@ -154,7 +274,10 @@ class Daemon:
                     await self._changed.wait()
             effects = self.ledger.tick(self._clock())
             if effects:
-                self.apply(effects)
+                try:
+                    await self.commit(effects)
+                except RequestError:
+                    pass  # reported as journal.failed; the failure stands in memory
 
     # -- connections ---------------------------------------------------------------------
 
@@ -175,6 +298,7 @@ class Daemon:
                 self.events.emit("daemon.internal_error", "error", conn=conn, error=repr(exc))
             finally:
                 self._connections -= 1
+                # A disconnect changes nothing durable: leases are re-armed on recovery.
                 self.apply(self.ledger.disconnect(conn, self._clock()))
                 self.events.emit("client.disconnected", conn=conn)
 
@@ -195,7 +319,7 @@ class Daemon:
                 key = SaveKey(root.path, step)
                 if self.ledger.get(key) is None:
                     await anyio.to_thread.run_sync(check_tmp_dir, root, step)
-                self.apply(self.ledger.begin(key, rank, world_size, conn, now()))
+                await self.commit(self.ledger.begin(key, rank, world_size, conn, now()))
                 save = self.ledger.get(key)
                 assert save is not None
                 return p.BeginReply(id=request.id, path=root.tmp_dir(step), state=save.state)
@@ -203,11 +327,13 @@ class Daemon:
                 root = self.configured(root_path)
                 for entry in files:
                     check_relative(entry.path)
-                self.apply(self.ledger.done(SaveKey(root.path, step), rank, files, conn, now()))
+                await self.commit(
+                    self.ledger.done(SaveKey(root.path, step), rank, files, conn, now())
+                )
                 return p.Ack(id=request.id)
             case p.Fail(root=root_path, step=step, rank=rank, reason=reason):
                 root = self.configured(root_path)
-                self.apply(self.ledger.fail(SaveKey(root.path, step), rank, reason, now()))
+                await self.commit(self.ledger.fail(SaveKey(root.path, step), rank, reason, now()))
                 return p.Ack(id=request.id)
             case p.Status(root=root_path):
                 only = None if root_path is None else self.configured(root_path).path
@@ -280,6 +406,7 @@ class Daemon:
                 await anyio.to_thread.run_sync(_gc.remove, root, candidates)
             for step in candidates:
                 self.ledger.forget(SaveKey(root.path, step))
+            await self.commit([])
             self.events.emit("gc.removed", root=root.path, steps=sorted(candidates))
         paths = [root.tmp_dir(step) for step in sorted(candidates)]
         return p.GcReply(id=request_id, candidates=paths, removed=remove and bool(candidates))
@@ -336,137 +463,6 @@ class Daemon:
         )
 
 
-async def serve(
-    config: Config,
-    *,
-    storage: Storage | None = None,
-    shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
-    handle_signals: bool = True,
-    task_status: TaskStatus[Daemon] = anyio.TASK_STATUS_IGNORED,
-) -> None:
-    """Run a daemon until SIGTERM/SIGINT (or ``shutdown_trigger`` returns).
-
-    Listens on the socket systemd passed in (``LISTEN_FDS``), else on ``config.socket``.
-    On stop: stops accepting, closes connections, lets in-flight promotions finish.
-    A second SIGINT exits at once.
-
-    Raises:
-        ConfigError: the socket cannot be created (e.g. another daemon owns it).
-    """
-    daemon = Daemon(config, storage=storage)
-    inherited = _systemd.listen_unix_socket()
-    sock = inherited or _bind(config.socket, config.socket_mode)
-    identity = None if inherited else os.lstat(config.socket)
-    listener = await SocketListener.from_socket(sock)
-    stop = anyio.Event()
-    try:
-        async with anyio.create_task_group() as promotions:
-            daemon._promotions = promotions
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(daemon.timekeeper)
-                tg.start_soon(_accept, listener, daemon, tg)
-                if handle_signals:
-                    tg.start_soon(_watch_signals, stop, daemon)
-                if shutdown_trigger is not None:
-                    tg.start_soon(_trigger, shutdown_trigger, stop)
-                watchdog = _systemd.watchdog_interval()
-                if watchdog is not None:
-                    tg.start_soon(_watchdog, watchdog / 2)
-                daemon.events.emit(
-                    "daemon.ready",
-                    socket=sock.getsockname() or config.socket,
-                    roots=[r.path for r in config.roots],
-                    pid=os.getpid(),
-                    version=VERSION,
-                    inherited_socket=inherited is not None,
-                )
-                _systemd.notify_ready("serving")
-                task_status.started(daemon)
-                await stop.wait()
-                daemon.stopping = True
-                _systemd.notify_stopping()
-                daemon.events.emit("daemon.stopping")
-                tg.cancel_scope.cancel()
-    finally:
-        await listener.aclose()
-        if identity is not None:
-            _unlink_if_ours(config.socket, identity)
-    daemon.events.emit("daemon.stopped")
-
-
-async def _accept(listener: SocketListener, daemon: Daemon, tg: TaskGroup) -> None:
-    while True:
-        stream = await listener.accept()
-        tg.start_soon(daemon.handle_connection, stream)
-
-
-async def _trigger(trigger: Callable[[], Awaitable[object]], stop: anyio.Event) -> None:
-    await trigger()
-    stop.set()
-
-
-async def _watch_signals(stop: anyio.Event, daemon: Daemon) -> None:
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for signum in signals:
-            if not stop.is_set():
-                daemon.events.emit("daemon.signal", signal=signal.Signals(signum).name)
-                stop.set()
-            elif signum == signal.SIGINT:
-                daemon.events.emit("daemon.forced_exit", "error", signal="SIGINT")
-                os._exit(130)
-
-
-async def _watchdog(period: float) -> None:
-    while True:
-        _systemd.notify_watchdog()
-        await anyio.sleep(period)
-
-
-def _bind(path: str, mode: int) -> socket.socket:
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, mode=0o750, exist_ok=True)
-    if os.path.lexists(path):
-        _remove_stale(path)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old_umask = os.umask(0o777 & ~mode)  # the file never exists with looser bits
-    try:
-        sock.bind(path)
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"cannot bind {path}: {exc.strerror}") from exc
-    finally:
-        os.umask(old_umask)
-    os.chmod(path, mode)
-    sock.listen(1024)
-    sock.setblocking(False)
-    return sock
-
-
-def _remove_stale(path: str) -> None:
-    if not stat.S_ISSOCK(os.lstat(path).st_mode):
-        raise ConfigError(f"{path} exists and is not a socket; refusing to replace it")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except ConnectionRefusedError:
-        os.unlink(path)  # nobody listens: a stale socket from a crashed daemon
-        return
-    except OSError as exc:
-        raise ConfigError(f"cannot probe existing socket {path}: {exc.strerror}") from exc
-    finally:
-        probe.close()
-    raise ConfigError(f"another daemon is listening on {path}")
-
-
-def _unlink_if_ours(path: str, identity: os.stat_result) -> None:
-    # Only the file this daemon bound: a successor may already have bound a new one.
-    try:
-        if os.path.samestat(os.lstat(path), identity):
-            os.unlink(path)
-    except OSError:
-        pass
-
-
 def _peer_credentials(stream: SocketStream) -> dict[str, int]:
     raw = stream.extra(SocketAttribute.raw_socket)
     data = raw.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
@@ -476,6 +472,15 @@ def _peer_credentials(stream: SocketStream) -> dict[str, int]:
 
 def _error(request_id: int | None, code: p.ErrorCode, message: str) -> p.ErrorReply:
     return p.ErrorReply(id=request_id, error=p.ErrorInfo(code=code.value, message=message))
+
+
+def _renamed(root: RootConfig, step: int) -> bool:
+    """Whether a journaled promotion already renamed ``tmp_step_N`` to ``step_N``."""
+    return os.path.isdir(root.final_dir(step)) and not os.path.lexists(root.tmp_dir(step))
+
+
+def _why(exc: OSError) -> str:
+    return exc.strerror or str(exc)
 
 
 async def _send_quietly(stream: SocketStream, message: msgspec.Struct) -> None:

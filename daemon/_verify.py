@@ -19,7 +19,7 @@ from ._config import RootConfig
 from ._dcpmeta import check_dcp_dir
 from ._errors import VerificationError
 
-__all__ = ["MANIFEST_NAME", "Manifest", "scan_save", "verify_checkpoint"]
+__all__ = ["MANIFEST_NAME", "Manifest", "read_manifest", "scan_save", "verify_checkpoint"]
 
 MANIFEST_NAME: Final = ".ckptd-manifest.json"
 """Written inside every promoted checkpoint; ``ckptd verify`` checks against it."""
@@ -114,6 +114,22 @@ def scan_save(
     )
 
 
+def read_manifest(path: str) -> Manifest:
+    """The manifest of the promoted checkpoint at ``path``. Blocking I/O.
+
+    Raises:
+        VerificationError: it is missing or unreadable.
+    """
+    manifest_path = os.path.join(path, MANIFEST_NAME)
+    try:
+        with open(manifest_path, "rb") as fh:
+            return msgspec.json.decode(fh.read(), type=Manifest)
+    except FileNotFoundError:
+        raise VerificationError(f"{manifest_path}: missing (not promoted by ckptd?)") from None
+    except (OSError, msgspec.DecodeError) as exc:
+        raise VerificationError(f"{manifest_path}: unreadable: {exc}") from exc
+
+
 def verify_checkpoint(path: str) -> list[str]:
     """Offline check of a promoted checkpoint against its manifest.
 
@@ -121,14 +137,10 @@ def verify_checkpoint(path: str) -> list[str]:
         Problems found; empty when every recorded file is present with its recorded
         size and every DCP directory's ``.metadata`` is satisfied.
     """
-    manifest_path = os.path.join(path, MANIFEST_NAME)
     try:
-        with open(manifest_path, "rb") as fh:
-            manifest = msgspec.json.decode(fh.read(), type=Manifest)
-    except FileNotFoundError:
-        return [f"{manifest_path}: missing (not promoted by ckptd?)"]
-    except (OSError, msgspec.DecodeError) as exc:
-        return [f"{manifest_path}: unreadable: {exc}"]
+        manifest = read_manifest(path)
+    except VerificationError as exc:
+        return [str(exc)]
     problems: list[str] = []
     real = os.path.realpath(path)
     for rel, size in manifest.files.items():

@@ -23,8 +23,8 @@ from orchestrator import protocol as p
 from ._config import RootConfig, default_socket_path, load_config
 from ._errors import ConfigError
 from ._events import configure_logging
+from ._lifecycle import serve
 from ._promoter import latest_promoted, read_pointer
-from ._server import serve
 from ._verify import MANIFEST_NAME, Manifest, verify_checkpoint
 
 __all__ = ["main"]
@@ -78,6 +78,11 @@ def _parser() -> argparse.ArgumentParser:
         help="time a disconnected rank has to reconnect (default 30)",
     )
     serve_cmd.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve_cmd.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help="journal directory (default /var/lib/ckptd as root, else $XDG_STATE_HOME/ckptd)",
+    )
 
     status = command("status", "show every save the daemon knows", _status)
     status.add_argument("--json", action="store_true", help="print the raw status object")
@@ -120,6 +125,7 @@ def _serve(args: argparse.Namespace) -> int:
         roots=args.root,
         lease=args.lease,
         log_level=args.log_level,
+        state_dir=args.state_dir,
     )
     configure_logging(config.log_level)
     anyio.run(serve, config)

@@ -104,6 +104,9 @@ class ErrorCode(enum.StrEnum):
     """Nothing matches (e.g. ``latest`` for a root with no promoted step)."""
     TOO_BUSY = "too_busy"
     """A per-connection or per-daemon bound was reached; retry later."""
+    UNAVAILABLE = "unavailable"
+    """The daemon could not make the change durable (e.g. its state disk is full); the
+    request was not acknowledged and may be retried."""
     SHUTTING_DOWN = "shutting_down"
     """The daemon is stopping and accepts no new saves."""
     INTERNAL = "internal"
@@ -364,9 +367,17 @@ def decode_request(line: bytes) -> Request:
 def _classify(line: bytes, exc: msgspec.ValidationError) -> ProtocolError:
     # Only on the error path: look at the envelope to say precisely what is wrong. Field
     # values stay raw, so an unreadable value elsewhere cannot hide the op and id.
+    try:  # the typed decoder may have stopped at a type mismatch before a syntax error
+        msgspec.json.decode(line)
+    except msgspec.ValidationError:  # e.g. a number out of range: valid syntax
+        pass
+    except msgspec.DecodeError as err:
+        return ProtocolError(ErrorCode.BAD_JSON, f"not valid JSON: {err}", None)
+    except RecursionError:
+        return ProtocolError(ErrorCode.BAD_REQUEST, "JSON nested too deeply", None)
     try:
         raw = _envelope_decoder.decode(line)
-    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+    except (msgspec.DecodeError, RecursionError):
         return ProtocolError(ErrorCode.BAD_REQUEST, "a request must be a JSON object", None)
     request_id = _raw_value(raw.get("id"))
     if type(request_id) is not int or not -_I64 <= request_id <= _I64:

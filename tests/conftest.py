@@ -43,8 +43,11 @@ def root(tmp_path: Path) -> Path:
 class DaemonProcess:
     """``ckptd serve`` as a real subprocess, with its stdout events readable in order."""
 
-    def __init__(self, socket_path: Path, roots: list[Path], *extra: str) -> None:
+    def __init__(
+        self, socket_path: Path, roots: list[Path], *extra: str, state_dir: Path | None = None
+    ) -> None:
         self.socket_path = socket_path
+        self.state_dir = state_dir or socket_path.with_name(f"{socket_path.name}.state")
         self.roots = roots
         self.extra = list(extra)
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
@@ -54,6 +57,8 @@ class DaemonProcess:
     def start(self, timeout: float = 30.0) -> DaemonProcess:
         """Start the daemon and wait for ``daemon.ready``."""
         cmd = [sys.executable, "-m", "daemon", "serve", "--socket", str(self.socket_path)]
+        if "--state-dir" not in self.extra:
+            cmd += ["--state-dir", str(self.state_dir)]
         for r in self.roots:
             cmd += ["--root", str(r)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -75,8 +75,9 @@ class TestReconnect:
             assert client.begin(str(root), 7, 0, 1).acknowledged
             daemon.kill()  # SIGKILL: everything in memory is gone
             restarted = daemon_factory([root])
-            # The client reconnects and tells the new daemon about the save in flight.
-            restarted.wait_event("save.begun", match=lambda e: e["step"] == 7)
+            # The journal brought the save back; the client reconnects and re-attaches.
+            assert restarted.wait_event("daemon.recovered")["in_flight"] == 1
+            restarted.wait_event("save.rank_reconnected", match=lambda e: e["step"] == 7)
             (root / "tmp_step_7").mkdir()
             client.done(str(root), 7, 0)
             assert client.wait(str(root), 7, 30.0).state == "promoted"

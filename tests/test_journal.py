@@ -34,7 +34,7 @@ RECORDS: list[JournalRecord] = [
     JDone("/ckpt/run", 1, 0, [FileEntry("model/__0_0.distcp", 4096)], 101.0),
     JFail("/ckpt/run", 2, 1, "CheckpointException: boom", 102.0),
     JSaveFailed("/ckpt/run", 2, "rank 1 failed", 102.0),
-    JIntent("/ckpt/run", 1, 103.0),
+    JIntent("/ckpt/run", 1),
     JPromoted("/ckpt/run", 1, "/ckpt/run/step_1", 103.5),
     JForget("/ckpt/run", 2),
 ]

@@ -1,0 +1,175 @@
+"""The daemon's process lifecycle: listen, recover, serve, stop.
+
+Hypercorn's shape, written with anyio: ``serve`` binds (or inherits from systemd) the
+socket, rebuilds state from the journal, starts accepting, says ``daemon.ready`` and
+``READY=1``, and on SIGTERM/SIGINT stops accepting, closes connections and lets
+promotions in flight finish. A second SIGINT exits at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+from collections.abc import Awaitable, Callable
+
+import anyio
+from anyio.abc import SocketListener, TaskGroup, TaskStatus
+
+from . import _systemd
+from ._config import Config
+from ._errors import ConfigError
+from ._journal import Journal
+from ._promoter import Storage
+from ._server import VERSION, Daemon
+
+__all__ = ["serve"]
+
+
+async def serve(
+    config: Config,
+    *,
+    storage: Storage | None = None,
+    shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
+    handle_signals: bool = True,
+    task_status: TaskStatus[Daemon] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run a daemon until SIGTERM/SIGINT (or ``shutdown_trigger`` returns).
+
+    Listens on the socket systemd passed in (``LISTEN_FDS``), else on ``config.socket``.
+    Before accepting, rebuilds its state from the journal in ``config.state_dir`` and
+    finishes whatever a previous run left half done. On stop: stops accepting, closes
+    connections, lets in-flight promotions finish.
+
+    Raises:
+        ConfigError: the socket or the journal cannot be used (e.g. another daemon owns
+            it).
+    """
+    inherited = _systemd.listen_unix_socket()
+    sock = inherited or _bind(config.socket, config.socket_mode)
+    identity = None if inherited else os.lstat(config.socket)
+    listener = await SocketListener.from_socket(sock)
+    journal = Journal(os.path.join(config.state_dir, "journal"))
+    stop = anyio.Event()
+    try:
+        try:
+            replay = await anyio.to_thread.run_sync(journal.open)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot use the journal {journal.path}: {exc}") from exc
+        daemon = Daemon(config, storage=storage, journal=journal)
+        async with anyio.create_task_group() as promotions:
+            daemon.promotions = promotions
+            async with anyio.create_task_group() as services:
+                services.start_soon(journal.run, daemon.journal_snapshot)
+                await daemon.recover(replay)
+                services.start_soon(daemon.timekeeper)
+                if handle_signals:
+                    services.start_soon(_watch_signals, stop, daemon)
+                if shutdown_trigger is not None:
+                    services.start_soon(_trigger, shutdown_trigger, stop)
+                watchdog = _systemd.watchdog_interval()
+                if watchdog is not None:
+                    services.start_soon(_watchdog, watchdog / 2)
+                async with anyio.create_task_group() as connections:
+                    connections.start_soon(_accept, listener, daemon, connections)
+                    daemon.events.emit(
+                        "daemon.ready",
+                        socket=sock.getsockname() or config.socket,
+                        roots=[r.path for r in config.roots],
+                        pid=os.getpid(),
+                        version=VERSION,
+                        inherited_socket=inherited is not None,
+                        state_dir=config.state_dir,
+                    )
+                    _systemd.notify_ready("serving")
+                    task_status.started(daemon)
+                    await stop.wait()
+                    daemon.stopping = True
+                    _systemd.notify_stopping()
+                    daemon.events.emit("daemon.stopping")
+                    connections.cancel_scope.cancel()
+                await listener.aclose()
+                # Promotions in flight are shielded: let them finish and journal their
+                # outcome before the journal writer stops.
+                await daemon.promotions_idle()
+                services.cancel_scope.cancel()
+        daemon.events.emit("daemon.stopped")
+    finally:
+        journal.close()
+        await listener.aclose()
+        if identity is not None:
+            _unlink_if_ours(config.socket, identity)
+
+
+async def _accept(listener: SocketListener, daemon: Daemon, tg: TaskGroup) -> None:
+    while True:
+        stream = await listener.accept()
+        tg.start_soon(daemon.handle_connection, stream)
+
+
+async def _trigger(trigger: Callable[[], Awaitable[object]], stop: anyio.Event) -> None:
+    await trigger()
+    stop.set()
+
+
+async def _watch_signals(stop: anyio.Event, daemon: Daemon) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            if not stop.is_set():
+                daemon.events.emit("daemon.signal", signal=signal.Signals(signum).name)
+                stop.set()
+            elif signum == signal.SIGINT:
+                daemon.events.emit("daemon.forced_exit", "error", signal="SIGINT")
+                os._exit(130)
+
+
+async def _watchdog(period: float) -> None:
+    while True:
+        _systemd.notify_watchdog()
+        await anyio.sleep(period)
+
+
+def _bind(path: str, mode: int) -> socket.socket:
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, mode=0o750, exist_ok=True)
+    if os.path.lexists(path):
+        _remove_stale(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o777 & ~mode)  # the file never exists with looser bits
+    try:
+        sock.bind(path)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot bind {path}: {exc.strerror}") from exc
+    finally:
+        os.umask(old_umask)
+    os.chmod(path, mode)
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+def _remove_stale(path: str) -> None:
+    if not stat.S_ISSOCK(os.lstat(path).st_mode):
+        raise ConfigError(f"{path} exists and is not a socket; refusing to replace it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        os.unlink(path)  # nobody listens: a stale socket from a crashed daemon
+        return
+    except OSError as exc:
+        raise ConfigError(f"cannot probe existing socket {path}: {exc.strerror}") from exc
+    finally:
+        probe.close()
+    raise ConfigError(f"another daemon is listening on {path}")
+
+
+def _unlink_if_ours(path: str, identity: os.stat_result) -> None:
+    # Only the file this daemon bound: a successor may already have bound a new one.
+    try:
+        if os.path.samestat(os.lstat(path), identity):
+            os.unlink(path)
+    except OSError:
+        pass
