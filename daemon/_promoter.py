@@ -19,6 +19,7 @@ import msgspec
 
 from ._config import RootConfig
 from ._errors import PromotionError
+from ._faults import crash_point
 from ._verify import MANIFEST_NAME, Manifest
 
 __all__ = [
@@ -144,13 +145,16 @@ def promote(storage: Storage, root: RootConfig, step: int, manifest: Manifest) -
     stage = "write manifest"
     try:
         storage.write_atomic(os.path.join(tmp, MANIFEST_NAME), msgspec.json.encode(manifest))
+        crash_point("after_manifest")
         stage = "fsync"
         for rel in manifest.files:
             storage.fsync(os.path.join(tmp, rel))
         for rel in manifest.dirs:  # deepest first, the save's own directory last
             storage.fsync(os.path.normpath(os.path.join(tmp, rel)), directory=True)
+        crash_point("after_fsync")
         stage = "rename"
         storage.rename_noreplace(tmp, final)
+        crash_point("after_rename")
     except OSError as exc:
         raise PromotionError(
             exc.errno or errno.EIO, f"{stage} failed for {tmp}: {exc.strerror or exc}"
@@ -187,10 +191,12 @@ def _after_rename(storage: Storage, root: RootConfig, step: int, *, undo: bool) 
             exc.errno or errno.EIO,
             f"fsync of {root.path} failed after the rename: {exc.strerror or exc}; {outcome}",
         ) from exc
+    crash_point("after_root_fsync")
     try:
         moved, error = _advance_pointer(storage, root, step), None
     except OSError as exc:
         moved, error = False, f"{root.pointer} not moved: {exc.strerror or exc}"
+    crash_point("after_pointer")
     return Promotion(path=final, pointer_moved=moved, pointer_error=error)
 
 

@@ -28,6 +28,7 @@ from ._config import Config, RootConfig
 from ._connection import Connection
 from ._errors import PromotionError, RequestError, VerificationError
 from ._events import Events
+from ._faults import crash_point
 from ._journal import Journal, JournalRecord, Replay
 from ._ledger import Effect, Emit, Ledger, SaveKey, SaveRecord, Settled, Verify
 from ._paths import check_relative, check_tmp_dir
@@ -177,6 +178,7 @@ class Daemon:
                 if not resumed:
                     # The intent is durable before the rename can happen.
                     await self.commit(self.ledger.verified(key))
+                    crash_point("after_intent")
                 done = await anyio.to_thread.run_sync(
                     _promoter.promote, self._storage, root, key.step, manifest
                 )
@@ -210,6 +212,7 @@ class Daemon:
             await self.commit(self.ledger.promoted(key, done.path, now, **fields))
         except RequestError:
             pass  # on disk it is promoted; recovery finds the rename done
+        crash_point("after_promoted")
 
     async def _reject(self, key: SaveKey, reason: str) -> None:
         try:

@@ -44,8 +44,14 @@ class DaemonProcess:
     """``ckptd serve`` as a real subprocess, with its stdout events readable in order."""
 
     def __init__(
-        self, socket_path: Path, roots: list[Path], *extra: str, state_dir: Path | None = None
+        self,
+        socket_path: Path,
+        roots: list[Path],
+        *extra: str,
+        state_dir: Path | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
+        self.env = env or {}
         self.socket_path = socket_path
         self.state_dir = state_dir or socket_path.with_name(f"{socket_path.name}.state")
         self.roots = roots
@@ -61,7 +67,7 @@ class DaemonProcess:
             cmd += ["--state-dir", str(self.state_dir)]
         for r in self.roots:
             cmd += ["--root", str(r)]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         env.pop("CKPTD_SOCKET", None)
         self.proc = subprocess.Popen(
             cmd + self.extra, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=REPO
@@ -137,8 +143,13 @@ def daemon_factory(short_dir: Path) -> Iterator[Callable[..., DaemonProcess]]:
     """Start real daemons; every one still running at the end is killed."""
     started: list[DaemonProcess] = []
 
-    def make(roots: list[Path], *extra: str, socket_name: str = "d.sock") -> DaemonProcess:
-        daemon = DaemonProcess(short_dir / socket_name, roots, *extra)
+    def make(
+        roots: list[Path],
+        *extra: str,
+        socket_name: str = "d.sock",
+        env: dict[str, str] | None = None,
+    ) -> DaemonProcess:
+        daemon = DaemonProcess(short_dir / socket_name, roots, *extra, env=env)
         started.append(daemon)
         return daemon.start()
 

@@ -1,0 +1,39 @@
+"""Crash points for fault-injection tests.
+
+``CKPTD_CRASH_AT=<point>`` in the daemon's environment makes it exit at once, as if
+SIGKILLed, the first time it reaches that point; ``CKPTD_CRASH_AT=<point>:<n>`` at the
+n-th time. The points sit in the narrow windows of promotion that random kills rarely
+hit. Unset (always, in production) it costs one comparison.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Final
+
+__all__ = ["POINTS", "crash_point"]
+
+POINTS: Final = (
+    "after_intent",
+    "after_manifest",
+    "after_fsync",
+    "after_rename",
+    "after_root_fsync",
+    "after_pointer",
+    "after_promoted",
+)
+"""Every crash point, in the order promotion reaches them."""
+
+_spec = os.environ.get("CKPTD_CRASH_AT", "")
+_target, _, _nth = _spec.partition(":")
+_remaining = int(_nth) if _nth.isdigit() else 1
+
+
+def crash_point(name: str) -> None:
+    """Exit immediately (status 137, no cleanup) if ``name`` is the configured point."""
+    global _remaining
+    if name != _target:
+        return
+    _remaining -= 1
+    if _remaining <= 0:
+        os._exit(137)

@@ -1,0 +1,174 @@
+"""A daemon killed at any point and restarted loses nothing acknowledged and promotes once."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from daemon import verify_checkpoint
+from daemon._faults import POINTS
+from tests.conftest import DaemonProcess, LineClient
+
+Factory = Callable[..., DaemonProcess]
+
+
+def _begin_both(daemon: DaemonProcess, root: Path, step: int) -> tuple[LineClient, LineClient]:
+    ranks = LineClient(daemon.socket_path), LineClient(daemon.socket_path)
+    for rank, client in enumerate(ranks):
+        reply = client.request("begin", root=str(root), step=step, rank=rank, world_size=2)
+        assert reply["ok"], reply
+    tmp = root / f"tmp_step_{step}"
+    for rank in (0, 1):
+        (tmp / "model").mkdir(parents=True, exist_ok=True)
+        (tmp / "model" / f"shard{rank}.bin").write_bytes(bytes([rank]) * 1000)
+    return ranks
+
+
+def _files(rank: int) -> list[dict[str, object]]:
+    return [{"path": f"model/shard{rank}.bin", "size": 1000}]
+
+
+def _assert_promoted_once(root: Path, step: int) -> None:
+    assert (root / f"step_{step}").is_dir()
+    assert not (root / f"tmp_step_{step}").exists()
+    assert verify_checkpoint(str(root / f"step_{step}")) == []
+    assert os.readlink(root / "latest") == f"step_{step}"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", f"step_{step}"]
+
+
+class TestCrashDuringPromotion:
+    """Killed at each narrow window of promotion, the restart finishes it exactly once."""
+
+    @pytest.mark.parametrize("point", POINTS)
+    def test_crash_point(self, daemon_factory: Factory, root: Path, point: str) -> None:
+        daemon = daemon_factory([root], env={"CKPTD_CRASH_AT": point})
+        rank0, rank1 = _begin_both(daemon, root, 1)
+        assert rank0.request("done", root=str(root), step=1, rank=0, files=_files(0))["ok"]
+        rank1.send_raw(
+            b'{"op":"done","id":99,"root":"%s","step":1,"rank":1,'
+            b'"files":[{"path":"model/shard1.bin","size":1000}]}\n' % str(root).encode()
+        )
+        assert daemon.proc is not None
+        assert daemon.proc.wait(30) == 137  # died at the crash point
+        daemon.stop()
+        rank0.close()
+        rank1.close()
+
+        restarted = daemon_factory([root])
+        recovered = restarted.drain()
+        if point != "after_promoted":
+            # Every point lies after the journaled intent: the restart resumes it.
+            promoted = restarted.wait_event("checkpoint.promoted", match=lambda e: e["step"] == 1)
+            assert promoted["resumed"] is True
+            assert promoted["bytes"] == 2000 and promoted["files"] == 2
+        else:
+            assert "checkpoint.promoted" not in [e["event"] for e in recovered]
+        _assert_promoted_once(root, 1)
+        with LineClient(restarted.socket_path) as client:
+            reply = client.request("wait", root=str(root), step=1, timeout=10)
+            assert (reply["state"], reply["path"]) == ("promoted", str(root / "step_1"))
+            status = client.request("status")["saves"]
+            assert [(s["step"], s["state"]) for s in status] == [(1, "promoted")]
+            # Promoted exactly once: a repeated begin is refused, nothing is renamed again.
+            again = client.request("begin", root=str(root), step=1, rank=0, world_size=2)
+            assert again["error"]["code"] == "already_promoted"
+        assert restarted.stop() == 0
+        events = [e["event"] for e in restarted.drain()]
+        assert events.count("checkpoint.promoted") == (0 if point == "after_promoted" else 1)
+
+
+class TestCrashWhileSaving:
+    """Saves in flight survive a SIGKILL: acknowledged dones are kept, leases re-armed."""
+
+    def test_acknowledged_done_survives(self, daemon_factory: Factory, root: Path) -> None:
+        daemon = daemon_factory([root])
+        rank0, rank1 = _begin_both(daemon, root, 3)
+        assert rank0.request("done", root=str(root), step=3, rank=0, files=_files(0))["ok"]
+        daemon.kill()
+        rank0.close()
+        rank1.close()
+
+        restarted = daemon_factory([root])
+        recovered = restarted.wait_event("daemon.recovered")
+        assert (recovered["in_flight"], recovered["saves"]) == (1, 1)
+        disconnected = restarted.wait_event("save.rank_disconnected")
+        assert disconnected["rank"] == 1  # rank 0 is done: no lease for it
+        with LineClient(restarted.socket_path) as again:
+            assert again.request("begin", root=str(root), step=3, rank=1, world_size=2)["ok"]
+            assert again.request("done", root=str(root), step=3, rank=1, files=_files(1))["ok"]
+            assert again.request("wait", root=str(root), step=3, timeout=30)["state"] == "promoted"
+        _assert_promoted_once(root, 3)
+
+    def test_lease_rearmed_and_expires(self, daemon_factory: Factory, root: Path) -> None:
+        daemon = daemon_factory([root], "--lease", "0.5")
+        rank0, rank1 = _begin_both(daemon, root, 4)
+        daemon.kill()
+        rank0.close()
+        rank1.close()
+        restarted = daemon_factory([root], "--lease", "0.5")
+        failed = restarted.wait_event("checkpoint.failed")
+        assert failed["step"] == 4 and "lease" in failed["reason"]
+        assert not (root / "step_4").exists()
+        assert (root / "tmp_step_4").is_dir()  # kept for inspection
+
+    def test_failed_step_stays_failed(self, daemon_factory: Factory, root: Path) -> None:
+        daemon = daemon_factory([root])
+        rank0, rank1 = _begin_both(daemon, root, 5)
+        assert rank0.request("fail", root=str(root), step=5, rank=0, reason="disk full")["ok"]
+        daemon.kill()
+        rank0.close()
+        rank1.close()
+        restarted = daemon_factory([root])
+        with LineClient(restarted.socket_path) as client:
+            done = client.request("done", root=str(root), step=5, rank=1, files=_files(1))
+            assert done["error"]["code"] == "step_failed"
+            reply = client.request("wait", root=str(root), step=5, timeout=5)
+        assert (reply["state"], reply["reason"]) == ("failed", "rank 0 failed: disk full")
+
+
+class TestRecoveryEvidence:
+    """Restarts report orphans and torn journal tails, and replay nothing false."""
+
+    def test_orphan_reported_never_touched(self, daemon_factory: Factory, root: Path) -> None:
+        (root / "tmp_step_9").mkdir()
+        (root / "tmp_step_9" / "x").write_bytes(b"x")
+        daemon = daemon_factory([root])
+        orphan = daemon.wait_event("save.orphaned")
+        assert (orphan["step"], orphan["path"]) == (9, str(root / "tmp_step_9"))
+        assert daemon.wait_event("daemon.recovered")["orphans"] == 1
+        assert daemon.stop() == 0
+        assert (root / "tmp_step_9" / "x").read_bytes() == b"x"
+        assert not (root / "step_9").exists()
+
+    def test_torn_journal_tail_dropped(self, daemon_factory: Factory, root: Path) -> None:
+        daemon = daemon_factory([root])
+        rank0, rank1 = _begin_both(daemon, root, 6)
+        assert rank0.request("done", root=str(root), step=6, rank=0, files=_files(0))["ok"]
+        daemon.kill()
+        rank0.close()
+        rank1.close()
+        journal = daemon.state_dir / "journal"
+        with open(journal, "ab") as fh:
+            fh.write(b"\x40\x00\x00\x00garbage-of-a-torn-write")
+        restarted = daemon_factory([root])
+        recovered = restarted.wait_event("daemon.recovered")
+        assert recovered["dropped_bytes"] > 0 and recovered["problem"] == "torn record"
+        assert recovered["in_flight"] == 1
+        with LineClient(restarted.socket_path) as client:
+            ranks = client.request("status")["saves"][0]["ranks"]
+        assert [(r["rank"], r["state"]) for r in ranks] == [(0, "done"), (1, "writing")]
+
+    def test_second_daemon_on_same_state_dir_refused(
+        self, daemon_factory: Factory, root: Path, short_dir: Path
+    ) -> None:
+        first = daemon_factory([root])
+        second = DaemonProcess(short_dir / "other.sock", [root], state_dir=first.state_dir)
+        with pytest.raises(AssertionError, match="daemon exited"):
+            second.start(timeout=30)
+        assert second.proc is not None and second.proc.wait(30) == 2
+        lines = " ".join(str(e.get("line", "")) for e in second.drain())
+        assert "another ckptd is using this state directory" in lines
+        second.stop()
