@@ -111,6 +111,13 @@ class Config:
     """Permission bits of the socket file (TOML: ``socket_mode = 0o660``)."""
     state_dir: str = field(default_factory=default_state_dir)
     """Directory of the journal; one daemon per state directory."""
+    allowed_uids: tuple[int, ...] = field(default_factory=lambda: tuple({os.getuid(), 0}))
+    """Peers (``SO_PEERCRED``) whose uid is here may connect: by default the daemon's own
+    uid and root."""
+    allowed_gids: tuple[int, ...] = ()
+    """Peers whose primary gid is here may connect too (e.g. the trainers' group)."""
+    stall_timeout: float = 30.0
+    """Seconds a client may take to finish a line it started before it is dropped."""
 
     def __post_init__(self) -> None:
         if not self.roots:
@@ -130,6 +137,12 @@ class Config:
             )
         if self.max_connections < 1:
             raise ConfigError(f"max_connections must be >= 1, got {self.max_connections}")
+        for name in ("allowed_uids", "allowed_gids"):
+            ids = getattr(self, name)
+            if not all(isinstance(i, int) and i >= 0 for i in ids):
+                raise ConfigError(f"{name} must be non-negative integers, got {ids!r}")
+        if not self.stall_timeout > 0:
+            raise ConfigError(f"stall_timeout must be > 0 seconds, got {self.stall_timeout}")
         if not os.path.isabs(self.state_dir):
             raise ConfigError(f"state_dir {self.state_dir!r} must be an absolute path")
         if not self.socket or len(os.fsencode(self.socket)) > 107:
@@ -154,6 +167,8 @@ def load_config(
     lease: float | None = None,
     log_level: str | None = None,
     state_dir: str | None = None,
+    allow_uids: list[int] | None = None,
+    allow_gids: list[int] | None = None,
     env: dict[str, str] | None = None,
 ) -> Config:
     """Merge defaults, the TOML file, the environment and flags (later wins).
@@ -180,6 +195,9 @@ def load_config(
         "max_connections",
         "socket_mode",
         "state_dir",
+        "allowed_uids",
+        "allowed_gids",
+        "stall_timeout",
     }
     unknown = sorted(set(data) - known)
     if unknown:
@@ -190,6 +208,13 @@ def load_config(
     built = tuple(_root(table, config_file) for table in root_tables)
 
     kwargs: dict[str, Any] = {k: v for k, v in data.items() if k != "roots"}
+    for name in ("allowed_uids", "allowed_gids"):
+        if name in kwargs:
+            kwargs[name] = tuple(kwargs[name])
+    # Flags add to the file's lists; the daemon's own uid and root always stay allowed.
+    uids = {os.getuid(), 0, *kwargs.get("allowed_uids", ()), *(allow_uids or [])}
+    kwargs["allowed_uids"] = tuple(sorted(uids))
+    kwargs["allowed_gids"] = tuple(sorted({*kwargs.get("allowed_gids", ()), *(allow_gids or [])}))
     if kwargs.get("save_timeout") == 0:
         kwargs["save_timeout"] = None  # TOML has no null: 0 turns the limit off
     if "CKPTD_SOCKET" in env and env["CKPTD_SOCKET"]:

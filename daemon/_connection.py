@@ -19,7 +19,7 @@ from anyio.abc import SocketStream, TaskGroup
 from orchestrator import protocol as p
 
 from ._errors import RequestError
-from ._framing import TOO_LONG, read_lines
+from ._framing import TOO_LONG, StalledLine, read_lines
 
 if TYPE_CHECKING:
     from ._server import Daemon
@@ -48,10 +48,18 @@ class Connection:
         with self._scope:
             async with anyio.create_task_group() as streams:
                 async with anyio.create_task_group() as waits:
-                    async for line in read_lines(self._stream, p.MAX_LINE):
-                        reply = await self._answer(line, waits, streams)
-                        if reply is not None:
-                            await self.send(reply)
+                    lines = read_lines(self._stream, p.MAX_LINE, self._daemon.config.stall_timeout)
+                    try:
+                        async for line in lines:
+                            reply = await self._answer(line, waits, streams)
+                            if reply is not None:
+                                await self.send(reply)
+                    except StalledLine as exc:
+                        # Half a line and silence: drop it, so it costs nothing else.
+                        self._daemon.events.emit(
+                            "client.dropped", "warning", conn=self.id, reason=str(exc)
+                        )
+                        self._scope.cancel()
                 # End of input: the pending waits above are answered first.
                 streams.cancel_scope.cancel()
 

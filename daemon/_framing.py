@@ -12,7 +12,7 @@ from typing import Final
 import anyio
 from anyio.abc import ByteReceiveStream
 
-__all__ = ["TOO_LONG", "read_lines"]
+__all__ = ["TOO_LONG", "StalledLine", "read_lines"]
 
 TOO_LONG: Final = b""
 """Yielded in place of a line that exceeded the bound (real lines are never empty)."""
@@ -20,20 +20,36 @@ TOO_LONG: Final = b""
 _CHUNK: Final = 65536
 
 
-async def read_lines(stream: ByteReceiveStream, max_line: int) -> AsyncIterator[bytes]:
+class StalledLine(TimeoutError):
+    """Raised when a started line is not finished within the stall timeout."""
+
+
+async def read_lines(
+    stream: ByteReceiveStream, max_line: int, stall_timeout: float = 30.0
+) -> AsyncIterator[bytes]:
     """Yield each newline-terminated line (newline stripped) of ``stream``.
 
     Blank lines are skipped. A line longer than ``max_line`` bytes (newline included)
     yields :data:`TOO_LONG` once its end arrives; the bytes in between are dropped as
     they come, so memory stays bounded by ``max_line`` plus one chunk. An unterminated
     tail at end of stream is dropped.
+
+    Raises:
+        StalledLine: a line was started but not finished within ``stall_timeout``
+            seconds (a client idle between whole lines may stay as long as it likes).
     """
     buf = bytearray()
     scanned = 0
     discarding = False
     while True:
         try:
-            chunk = await stream.receive(_CHUNK)
+            if buf or discarding:
+                with anyio.fail_after(stall_timeout):
+                    chunk = await stream.receive(_CHUNK)
+            else:
+                chunk = await stream.receive(_CHUNK)
+        except TimeoutError:
+            raise StalledLine(f"a line stalled for {stall_timeout:g}s") from None
         except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
             return
         buf += chunk

@@ -290,10 +290,17 @@ class Daemon:
         async with stream:
             if self._connections >= self.config.max_connections:
                 reply = _error(None, p.ErrorCode.TOO_BUSY, "too many connections; retry later")
-                await _send_quietly(stream, reply)
+                await _hang_up(stream, reply)
+                return
+            peer = _peer_credentials(stream)
+            if peer["uid"] not in self.config.allowed_uids and (
+                peer["gid"] not in self.config.allowed_gids
+            ):
+                self.events.emit("client.refused", "warning", conn=conn, **peer)
+                message = f"uid {peer['uid']} / gid {peer['gid']} may not use this daemon"
+                await _hang_up(stream, _error(None, p.ErrorCode.FORBIDDEN, message))
                 return
             self._connections += 1
-            peer = _peer_credentials(stream)
             self.events.emit("client.connected", "info", conn=conn, **peer)
             try:
                 await Connection(self, conn, stream).run()
@@ -486,8 +493,13 @@ def _why(exc: OSError) -> str:
     return exc.strerror or str(exc)
 
 
-async def _send_quietly(stream: SocketStream, message: msgspec.Struct) -> None:
-    try:
-        await stream.send(p.encode(message))
-    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-        pass
+async def _hang_up(stream: SocketStream, message: msgspec.Struct) -> None:
+    """Send one last line and close, so the peer reads it rather than a reset."""
+    with anyio.move_on_after(1.0):  # bounded: a refused peer holds nothing for long
+        try:
+            await stream.send(p.encode(message))
+            await stream.send_eof()
+            while len(await stream.receive(65536)) > 0:
+                pass  # unread input would turn the close into a reset on the peer's side
+        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass

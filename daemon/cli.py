@@ -83,6 +83,20 @@ def _parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="journal directory (default /var/lib/ckptd as root, else $XDG_STATE_HOME/ckptd)",
     )
+    serve_cmd.add_argument(
+        "--allow-uid",
+        type=int,
+        action="append",
+        metavar="UID",
+        help="also accept connections from this uid (repeatable; own uid and root always)",
+    )
+    serve_cmd.add_argument(
+        "--allow-gid",
+        type=int,
+        action="append",
+        metavar="GID",
+        help="also accept connections from processes with this primary gid (repeatable)",
+    )
 
     status = command("status", "show every save the daemon knows", _status)
     status.add_argument("--json", action="store_true", help="print the raw status object")
@@ -126,6 +140,8 @@ def _serve(args: argparse.Namespace) -> int:
         lease=args.lease,
         log_level=args.log_level,
         state_dir=args.state_dir,
+        allow_uids=args.allow_uid,
+        allow_gids=args.allow_gid,
     )
     configure_logging(config.log_level)
     anyio.run(serve, config)

@@ -102,6 +102,8 @@ class ErrorCode(enum.StrEnum):
     """The request does not fit the save's current state (e.g. ``fail`` after ``done``)."""
     NOT_FOUND = "not_found"
     """Nothing matches (e.g. ``latest`` for a root with no promoted step)."""
+    FORBIDDEN = "forbidden"
+    """The connecting process's uid/gid is not allowed; the connection is closed."""
     TOO_BUSY = "too_busy"
     """A per-connection or per-daemon bound was reached; retry later."""
     UNAVAILABLE = "unavailable"
