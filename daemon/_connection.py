@@ -102,6 +102,11 @@ class Connection:
                 return None
             return await self._daemon.dispatch(self.id, request)
         except RequestError as exc:
+            if exc.effects or self._daemon.ledger_changed():
+                try:  # the refusal changed the ledger (a save found expired): commit it
+                    await self._daemon.commit(exc.effects)
+                except RequestError:
+                    pass  # reported as journal.failed
             self._daemon.events.emit(
                 "request.rejected",
                 "warning",

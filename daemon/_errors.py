@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from orchestrator.protocol import ErrorCode
 
 __all__ = ["CkptdError", "ConfigError", "PromotionError", "RequestError", "VerificationError"]
@@ -20,11 +23,14 @@ class RequestError(CkptdError, ValueError):
 
     Attributes:
         code: The wire error code.
+        effects: Ledger effects of a change the refusal itself caused (a save found
+            expired while handling it), to be committed before the reply.
     """
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str, effects: Sequence[Any] = ()) -> None:
         super().__init__(message)
         self.code = code
+        self.effects = list(effects)
 
 
 class VerificationError(CkptdError):

@@ -31,6 +31,7 @@ __all__ = [
     "JForget",
     "JIntent",
     "JPromoted",
+    "JRescue",
     "JSaveFailed",
     "Journal",
     "JournalRecord",
@@ -91,11 +92,17 @@ class JPromoted(_Record, frozen=True, tag="p"):
     at: float
 
 
+class JRescue(_Record, frozen=True, tag="r"):
+    """An operator asked to promote the step (``ckptd promote``)."""
+
+    at: float
+
+
 class JForget(_Record, frozen=True, tag="g"):
     """``gc`` removed the save's files; forget it."""
 
 
-JournalRecord = JBegin | JDone | JFail | JSaveFailed | JIntent | JPromoted | JForget
+JournalRecord = JBegin | JDone | JFail | JSaveFailed | JIntent | JPromoted | JRescue | JForget
 """Every kind of journal record."""
 
 _encoder: Final = msgspec.msgpack.Encoder()

@@ -28,6 +28,7 @@ from ._journal import (
     JIntent,
     JournalRecord,
     JPromoted,
+    JRescue,
     JSaveFailed,
 )
 
@@ -94,6 +95,7 @@ class SaveRecord:
     reason: str | None = None
     path: str | None = None
     settled_at: float | None = None
+    rescued: bool = False
 
     def missing_ranks(self) -> list[int]:
         """Ranks that have not begun, or have begun but are not done."""
@@ -179,6 +181,7 @@ class Ledger:
                 ErrorCode.WORLD_SIZE_MISMATCH,
                 f"step {key.step} has world_size {save.world_size}, not {world_size}",
             )
+        self._expired_first(save, now)
         self._refuse_settled(save)
         record = save.ranks.get(rank)
         if record is not None:
@@ -206,6 +209,7 @@ class Ledger:
         save, record = self._rank(key, rank)
         if record.state is RankState.DONE:
             return []
+        self._expired_first(save, now)
         if save.state is SaveState.FAILED:
             raise RequestError(ErrorCode.STEP_FAILED, f"step {key.step} failed: {save.reason}")
         if record.state is RankState.FAILED:  # pragma: no cover - a failed rank fails the save
@@ -265,24 +269,41 @@ class Ledger:
         """Fail every save whose lease or deadline has passed at ``now``."""
         effects: list[Effect] = []
         for save in list(self._saves.values()):
-            if save.state is not SaveState.OPEN:
-                continue
-            for rank, record in sorted(save.ranks.items()):
-                if record.lease_deadline is not None and record.lease_deadline <= now:
-                    reason = (
-                        f"rank {rank} disconnected and did not reconnect within its "
-                        f"{self._lease:g}s lease"
-                    )
-                    effects += self._fail_rank(save, rank, record, reason, now)
-                    break
-            else:
-                if save.deadline is not None and save.deadline <= now:
-                    reason = (
-                        f"timed out after {now - save.first_begin:.1f}s; "
-                        f"ranks not done: {_ranges(save.missing_ranks())}"
-                    )
-                    effects += self._fail_save(save, reason, now)
+            effects += self._expire(save, now)
         return effects
+
+    def _expire(self, save: SaveRecord, now: float) -> list[Effect]:
+        """Fail ``save`` if a lease or its deadline has passed at ``now``."""
+        if save.state is not SaveState.OPEN:
+            return []
+        for rank, record in sorted(save.ranks.items()):
+            if record.lease_deadline is not None and record.lease_deadline <= now:
+                reason = (
+                    f"rank {rank} disconnected and did not reconnect within its "
+                    f"{self._lease:g}s lease"
+                )
+                return self._fail_rank(save, rank, record, reason, now)
+        if save.deadline is not None and save.deadline <= now:
+            reason = (
+                f"timed out after {now - save.first_begin:.1f}s; "
+                f"ranks not done: {_ranges(save.missing_ranks())}"
+            )
+            return self._fail_save(save, reason, now)
+        return []
+
+    def _expired_first(self, save: SaveRecord, now: float) -> None:
+        """A late input must not revive a save whose time ran out before the next tick.
+
+        Raises:
+            RequestError: ``step_failed``, carrying the expiry's effects.
+        """
+        effects = self._expire(save, now)
+        if effects:
+            raise RequestError(
+                ErrorCode.STEP_FAILED,
+                f"step {save.key.step} failed: {save.reason}",
+                effects=effects,
+            )
 
     # -- inputs from the promoter ------------------------------------------------------
 
@@ -319,6 +340,46 @@ class Ledger:
             return []
         return self._fail_save(save, reason, now)
 
+    def rescue(self, key: SaveKey, now: float) -> list[Effect]:
+        """An operator vouches for a step: verify it and, if sound, promote it.
+
+        The one way out of ``FAILED``, and only on an explicit command: for a step
+        whose trainer died after its writes landed. Ranks still writing on a live
+        connection, or a promotion under way, refuse it.
+
+        Raises:
+            RequestError: the step is promoted, being promoted, or still being written.
+        """
+        save = self._saves.get(key)
+        if save is None:
+            save = SaveRecord(key=key, world_size=0, first_begin=now, deadline=None)
+            self._saves[key] = save
+        elif save.state is SaveState.PROMOTED:
+            raise RequestError(ErrorCode.ALREADY_PROMOTED, f"step {key.step} is already promoted")
+        elif save.state in (SaveState.VERIFYING, SaveState.PROMOTING):
+            raise RequestError(ErrorCode.INVALID_STATE, f"step {key.step} is {save.state} already")
+        elif save.state is SaveState.OPEN:
+            live = [
+                r
+                for r, rec in save.ranks.items()
+                if rec.state is RankState.WRITING and rec.conn is not None
+            ]
+            if live:
+                raise RequestError(
+                    ErrorCode.INVALID_STATE,
+                    f"step {key.step} is still being written by ranks {_ranges(sorted(live))}",
+                )
+        previous = save.state
+        save.state = SaveState.VERIFYING
+        save.rescued = True
+        save.reason = None
+        save.settled_at = None
+        for record in save.ranks.values():
+            record.lease_deadline = None
+        self._record(JRescue(key.root, key.step, now))
+        event = {"root": key.root, "step": key.step, "previous": str(previous)}
+        return [Emit("checkpoint.rescue", event, "warning"), Verify(key)]
+
     def forget(self, key: SaveKey) -> None:
         """Drop a settled save (its files were removed by ``gc``)."""
         save = self._saves.get(key)
@@ -332,6 +393,10 @@ class Ledger:
         """The journal records of every change since the last call, oldest first."""
         records, self._outbox = self._outbox, []
         return records
+
+    def pending_records(self) -> bool:
+        """Whether changes wait in the outbox for :meth:`drain_records`."""
+        return bool(self._outbox)
 
     def replay(self, record: JournalRecord, now: float) -> None:
         """Apply one journaled record (``now``: its time in ledger time). No effects.
@@ -362,6 +427,8 @@ class Ledger:
                     found = self._saves.get(key)
                     if found is not None and found.state is SaveState.PROMOTING:
                         self.promoted(key, path, now)
+                case JRescue():
+                    self.rescue(key, now)
                 case JForget():
                     self.forget(key)
         finally:
@@ -398,6 +465,8 @@ class Ledger:
             failed_rank = any(r.state is RankState.FAILED for r in save.ranks.values())
             if save.state is SaveState.FAILED and not failed_rank:
                 out.append(JSaveFailed(root, step, save.reason or "", save.settled_at or 0.0))
+            if save.rescued:
+                out.append(JRescue(root, step, save.settled_at or save.first_begin))
             if save.state in (SaveState.PROMOTING, SaveState.PROMOTED):
                 out.append(JIntent(root, step))
             if save.state is SaveState.PROMOTED and save.path is not None:

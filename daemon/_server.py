@@ -109,6 +109,10 @@ class Daemon:
                 f"the change could not be made durable ({_why(failure)}); retry",
             )
 
+    def ledger_changed(self) -> bool:
+        """Whether the ledger holds changes not yet journaled."""
+        return self.ledger.pending_records()
+
     def apply(self, effects: Sequence[Effect]) -> None:
         """Carry out ledger effects: events, promotions, woken waiters."""
         for effect in effects:
@@ -367,6 +371,9 @@ class Daemon:
                     raise RequestError(p.ErrorCode.NOT_FOUND, f"{root.path} has no promoted step")
                 path = root.final_dir(step_found)
                 return p.LatestReply(id=request.id, path=path, step=step_found)
+            case p.Promote(root=root_path, step=step, timeout=timeout):
+                root = self.configured(root_path)
+                return await self._rescue(request.id, root, step, wait_s=timeout)
             case p.Gc(root=root_path, remove=remove):
                 root = self.configured(root_path)
                 return await self._gc(request.id, root, remove)
@@ -393,6 +400,33 @@ class Daemon:
         if save.state is p.SaveState.FAILED:
             return p.WaitReply(id=request.id, state="failed", reason=save.reason)
         return p.WaitReply(id=request.id, state="pending")
+
+    async def _rescue(
+        self, request_id: int, root: RootConfig, step: int, *, wait_s: float
+    ) -> p.WaitReply:
+        """``ckptd promote``: verify what can be verified, then promote, or refuse."""
+        key = SaveKey(root.path, step)
+        save = self.ledger.get(key)
+        if save is not None and save.state is p.SaveState.PROMOTED:
+            raise RequestError(p.ErrorCode.ALREADY_PROMOTED, f"step {step} is already promoted")
+        reported = {} if save is None else save.reported_files()
+        world_size = 0 if save is None else save.world_size
+        async with self._root_locks[root.path]:
+            try:
+                manifest = await anyio.to_thread.run_sync(
+                    scan_save, root, step, world_size, reported
+                )
+            except VerificationError as exc:
+                raise RequestError(p.ErrorCode.UNVERIFIABLE, str(exc)) from None
+        if not manifest.dcp_dirs:
+            raise RequestError(
+                p.ErrorCode.UNVERIFIABLE,
+                f"{root.tmp_dir(step)} holds no DCP directory (*.distcp with .metadata): "
+                "nothing on disk proves the step complete",
+            )
+        await self.commit(self.ledger.rescue(key, self._clock()))
+        wait = p.Wait(id=request_id, root=root.path, step=step, timeout=wait_s)
+        return await self.settled(wait, root)
 
     async def _gc(self, request_id: int, root: RootConfig, remove: bool) -> p.GcReply:
         failed = {

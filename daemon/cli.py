@@ -117,6 +117,14 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("path")
     verify.add_argument("--json", action="store_true")
 
+    rescue = command(
+        "promote",
+        "promote STEP of ROOT whose trainer died after its writes landed (verified first)",
+        _promote,
+    )
+    rescue.add_argument("root")
+    rescue.add_argument("step", type=int)
+
     gc = command("gc", "list failed and orphaned tmp dirs of ROOT; remove with --yes", _gc)
     gc.add_argument("root")
     gc.add_argument("--yes", action="store_true", help="remove them")
@@ -343,6 +351,18 @@ def _verify(args: argparse.Namespace) -> int:
     else:
         print(f"{args.path}: OK")
     return 1 if problems else 0
+
+
+def _promote(args: argparse.Namespace) -> int:
+    root = os.path.abspath(args.root)
+    reply = _call(args, p.Promote(id=1, root=root, step=args.step), 700.0)
+    if not reply["ok"]:
+        return _refused(reply)
+    if reply["state"] == "promoted":
+        print(reply["path"])
+        return 0
+    print(f"ckptd: step {args.step} {reply['state']}: {reply.get('reason') or ''}", file=sys.stderr)
+    return 1
 
 
 def _gc(args: argparse.Namespace) -> int:

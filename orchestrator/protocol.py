@@ -34,6 +34,7 @@ __all__ = [
     "Latest",
     "LatestReply",
     "Ping",
+    "Promote",
     "PingReply",
     "ProtocolError",
     "RankInfo",
@@ -100,6 +101,8 @@ class ErrorCode(enum.StrEnum):
     """``done``/``fail`` for a rank that never sent ``begin`` for that step."""
     INVALID_STATE = "invalid_state"
     """The request does not fit the save's current state (e.g. ``fail`` after ``done``)."""
+    UNVERIFIABLE = "unverifiable"
+    """``promote`` refused: the files on disk do not prove the step complete."""
     NOT_FOUND = "not_found"
     """Nothing matches (e.g. ``latest`` for a root with no promoted step)."""
     FORBIDDEN = "forbidden"
@@ -199,6 +202,17 @@ class Subscribe(_Request, frozen=True, tag="subscribe"):
     """Stream every event to this connection from now on."""
 
 
+class Promote(_Request, frozen=True, tag="promote"):
+    """Operator rescue: promote a step whose trainer died after its writes landed.
+
+    Refused unless what can be verified on disk proves the step complete.
+    """
+
+    root: PathStr
+    step: Step
+    timeout: Seconds = 600.0
+
+
 class Gc(_Request, frozen=True, tag="gc"):
     """List (and with ``remove`` delete) failed and orphaned tmp directories of ``root``."""
 
@@ -206,7 +220,7 @@ class Gc(_Request, frozen=True, tag="gc"):
     remove: bool = False
 
 
-Request = Ping | Begin | Done | Fail | Wait | Status | Latest | Subscribe | Gc
+Request = Ping | Begin | Done | Fail | Wait | Status | Latest | Subscribe | Gc | Promote
 """Every message a client may send."""
 
 
@@ -319,7 +333,7 @@ _envelope_decoder: Final = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _encoder: Final = msgspec.json.Encoder()
 _OPS: Final = frozenset(
     str(t.__struct_config__.tag)
-    for t in (Ping, Begin, Done, Fail, Wait, Status, Latest, Subscribe, Gc)
+    for t in (Ping, Begin, Done, Fail, Wait, Status, Latest, Subscribe, Gc, Promote)
 )
 
 
