@@ -22,6 +22,7 @@ from ._config import Config
 from ._errors import ConfigError
 from ._journal import Journal
 from ._promoter import Storage
+from ._recovery import recover
 from ._server import VERSION, Daemon
 
 __all__ = ["serve"]
@@ -59,13 +60,13 @@ async def serve(
             raise ConfigError(f"cannot use the journal {journal.path}: {exc}") from exc
         daemon = Daemon(config, storage=storage, journal=journal)
         async with anyio.create_task_group() as promotions:
-            daemon.promotions = promotions
+            daemon.promoter.group = promotions
             async with anyio.create_task_group() as services:
+                if handle_signals:  # before anything slow: a SIGTERM is never lost
+                    await services.start(_watch_signals, stop, daemon)
                 services.start_soon(journal.run, daemon.journal_snapshot)
-                await daemon.recover(replay)
+                await recover(daemon, replay)
                 services.start_soon(daemon.timekeeper)
-                if handle_signals:
-                    services.start_soon(_watch_signals, stop, daemon)
                 if shutdown_trigger is not None:
                     services.start_soon(_trigger, shutdown_trigger, stop)
                 watchdog = _systemd.watchdog_interval()
@@ -92,7 +93,7 @@ async def serve(
                 await listener.aclose()
                 # Promotions in flight are shielded: let them finish and journal their
                 # outcome before the journal writer stops.
-                await daemon.promotions_idle()
+                await daemon.promoter.idle()
                 services.cancel_scope.cancel()
         daemon.events.emit("daemon.stopped")
     finally:
@@ -113,8 +114,11 @@ async def _trigger(trigger: Callable[[], Awaitable[object]], stop: anyio.Event) 
     stop.set()
 
 
-async def _watch_signals(stop: anyio.Event, daemon: Daemon) -> None:
+async def _watch_signals(
+    stop: anyio.Event, daemon: Daemon, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+) -> None:
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        task_status.started()
         async for signum in signals:
             if not stop.is_set():
                 daemon.events.emit("daemon.signal", signal=signal.Signals(signum).name)

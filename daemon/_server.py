@@ -19,21 +19,21 @@ from importlib.metadata import PackageNotFoundError, version
 
 import anyio
 import msgspec
-from anyio.abc import SocketAttribute, SocketStream, TaskGroup
+from anyio.abc import SocketAttribute, SocketStream
 
 from orchestrator import protocol as p
 
-from . import _gc, _promoter
+from . import _gc
 from ._config import Config, RootConfig
 from ._connection import Connection
-from ._errors import PromotionError, RequestError, VerificationError
+from ._errors import RequestError, VerificationError
 from ._events import Events
-from ._faults import crash_point
-from ._journal import Journal, JournalRecord, Replay
+from ._journal import Journal, JournalRecord
 from ._ledger import Effect, Emit, Ledger, SaveKey, SaveRecord, Settled, Verify
 from ._paths import check_relative, check_tmp_dir
 from ._promoter import LocalStorage, Storage, latest_promoted
-from ._verify import read_manifest, scan_save
+from ._promotion import Promoter
+from ._verify import scan_save
 
 __all__ = ["VERSION", "Daemon"]
 
@@ -67,20 +67,16 @@ class Daemon:
         self.config = config
         self.events = Events()
         self.ledger = Ledger(lease=config.lease, save_timeout=config.save_timeout)
-        self._storage = storage or LocalStorage()
-        self._clock = clock
+        self.clock = clock
         self._started = clock()
         self._conn_ids = itertools.count(1)
         self._connections = 0
         self._waiters: dict[SaveKey, anyio.Event] = {}
-        self._root_locks = {root.path: anyio.Lock() for root in config.roots}
+        self.root_locks = {root.path: anyio.Lock() for root in config.roots}
+        """One lock per root: promotions and gc in a root never overlap."""
         self._changed = anyio.Event()
-        self._journal = journal
-        self._promoting = 0
-        self._idle = anyio.Event()
-        self._idle.set()
-        self.promotions: TaskGroup | None = None
-        """Where promotions run; set by ``serve`` before any request is handled."""
+        self.journal = journal
+        self.promoter = Promoter(self, storage or LocalStorage())
         self.stopping = False
 
     # -- effects -----------------------------------------------------------------------
@@ -94,14 +90,12 @@ class Daemon:
         """
         records = self.ledger.drain_records()
         failure: OSError | None = None
-        if records and self._journal is not None:
+        if records and self.journal is not None:
             try:
-                await self._journal.append([self._walled(r) for r in records])
+                await self.journal.append([self.walled(r) for r in records])
             except OSError as exc:
                 failure = exc
-                self.events.emit(
-                    "journal.failed", "error", path=self._journal.path, error=_why(exc)
-                )
+                self.events.emit("journal.failed", "error", path=self.journal.path, error=_why(exc))
         self.apply(effects)
         if failure is not None:
             raise RequestError(
@@ -119,8 +113,7 @@ class Daemon:
             if isinstance(effect, Emit):
                 self.events.emit(effect.name, effect.level, **effect.fields)
             elif isinstance(effect, Verify):
-                assert self.promotions is not None, "promotions start only while serving"
-                self._start_promotion(effect.key)
+                self.promoter.start(effect.key)
             elif isinstance(effect, Settled):
                 waiter = self._waiters.pop(effect.key, None)
                 if waiter is not None:
@@ -129,145 +122,14 @@ class Daemon:
 
     def journal_snapshot(self) -> list[JournalRecord]:
         """Records rebuilding the current state, for compacting the journal."""
-        return [self._walled(r) for r in self.ledger.snapshot()]
+        return [self.walled(r) for r in self.ledger.snapshot()]
 
-    def _walled(self, record: JournalRecord) -> JournalRecord:
+    def walled(self, record: JournalRecord) -> JournalRecord:
         """The record with its ledger time turned into wall-clock time."""
         at = getattr(record, "at", None)
         if at is None:
             return record
-        return msgspec.structs.replace(record, at=time.time() - (self._clock() - at))
-
-    # -- promotion ---------------------------------------------------------------------
-
-    def _start_promotion(self, key: SaveKey) -> None:
-        assert self.promotions is not None
-        self._promoting += 1
-        self._idle = anyio.Event()
-        self.promotions.start_soon(self._promote, key)
-
-    async def promotions_idle(self) -> None:
-        """Return once no promotion is in flight."""
-        while self._promoting:
-            await self._idle.wait()
-
-    async def _promote(self, key: SaveKey) -> None:
-        try:
-            with anyio.CancelScope(shield=True):
-                root = self._root(key.root)
-                async with self._root_locks[root.path]:
-                    await self._promote_locked(root, key)
-        finally:
-            self._promoting -= 1
-            if not self._promoting:
-                self._idle.set()
-
-    async def _promote_locked(self, root: RootConfig, key: SaveKey) -> None:
-        save = self.ledger.get(key)
-        if save is None or save.state not in (p.SaveState.VERIFYING, p.SaveState.PROMOTING):
-            return
-        start = self._clock()
-        resumed = save.state is p.SaveState.PROMOTING  # intent journaled before a restart
-        try:
-            if resumed and await anyio.to_thread.run_sync(_renamed, root, key.step):
-                # The rename happened before the restart: finish, never redo it.
-                manifest = await anyio.to_thread.run_sync(read_manifest, root.final_dir(key.step))
-                done = await anyio.to_thread.run_sync(
-                    _promoter.finish, self._storage, root, key.step
-                )
-            else:
-                manifest = await anyio.to_thread.run_sync(
-                    scan_save, root, key.step, save.world_size, save.reported_files()
-                )
-                if not resumed:
-                    # The intent is durable before the rename can happen.
-                    await self.commit(self.ledger.verified(key))
-                    crash_point("after_intent")
-                done = await anyio.to_thread.run_sync(
-                    _promoter.promote, self._storage, root, key.step, manifest
-                )
-        except VerificationError as exc:
-            await self._reject(key, f"verification failed: {exc}")
-            return
-        except PromotionError as exc:
-            await self._reject(key, f"promotion failed: {exc}")
-            return
-        except RequestError as exc:  # the intent could not be journaled: do not rename
-            await self._reject(key, f"promotion not started: {exc}")
-            return
-        except Exception as exc:  # a bug must fail the save, not kill the daemon
-            self.events.emit("daemon.internal_error", "error", where="promote", error=repr(exc))
-            await self._reject(key, f"internal error: {exc!r}")
-            return
-        if done.pointer_error is not None:
-            self.events.emit(
-                "pointer.failed", "error", root=key.root, step=key.step, reason=done.pointer_error
-            )
-        now = self._clock()
-        fields = {
-            "bytes": manifest.bytes,
-            "files": len(manifest.files),
-            "promotion_ms": round((now - start) * 1000, 3),
-            "latest": done.pointer_moved,
-        }
-        if resumed:
-            fields["resumed"] = True
-        try:
-            await self.commit(self.ledger.promoted(key, done.path, now, **fields))
-        except RequestError:
-            pass  # on disk it is promoted; recovery finds the rename done
-        crash_point("after_promoted")
-
-    async def _reject(self, key: SaveKey, reason: str) -> None:
-        try:
-            await self.commit(self.ledger.rejected(key, reason, self._clock()))
-        except RequestError:
-            pass  # already reported as journal.failed; recovery verifies again
-
-    # -- recovery ----------------------------------------------------------------------
-
-    async def recover(self, replay: Replay) -> None:
-        """Rebuild the ledger from the journal and finish what was left half done.
-
-        Saves in flight get their ranks' leases re-armed (ranks that reconnect and send
-        ``done`` complete them); saves whose ranks were all done are verified again; a
-        promotion whose intent was journaled is finished exactly once. Unknown
-        ``tmp_step_*`` directories are reported as orphans, never touched.
-        """
-        now, wall = self._clock(), time.time()
-        skipped = 0
-        for record in replay.records:
-            at = getattr(record, "at", wall)
-            try:
-                self.ledger.replay(record, now - (wall - at))
-            except (RequestError, RuntimeError):
-                skipped += 1  # a duplicate a compaction kept; the state already has it
-        self.apply(self.ledger.rearm(now))
-        if self._journal is not None:
-            await anyio.to_thread.run_sync(self._journal.compact, self.journal_snapshot())
-        resumed = [
-            s.key for s in self.ledger if s.state in (p.SaveState.VERIFYING, p.SaveState.PROMOTING)
-        ]
-        for key in resumed:
-            self._start_promotion(key)
-        orphans = 0
-        for root in self.config.roots:
-            known = {s.key.step for s in self.ledger if s.key.root == root.path}
-            for step in await anyio.to_thread.run_sync(_gc.unknown_tmp_dirs, root, known):
-                orphans += 1
-                path = root.tmp_dir(step)
-                self.events.emit("save.orphaned", "warning", root=root.path, step=step, path=path)
-        self.events.emit(
-            "daemon.recovered",
-            records=len(replay.records),
-            skipped=skipped,
-            dropped_bytes=replay.dropped_bytes,
-            problem=replay.problem,
-            saves=len(self.ledger),
-            in_flight=sum(1 for s in self.ledger if s.state is p.SaveState.OPEN),
-            resumed=len(resumed),
-            orphans=orphans,
-        )
+        return msgspec.structs.replace(record, at=time.time() - (self.clock() - at))
 
     async def timekeeper(self) -> None:
         """Fail saves whose lease or deadline passes, waking exactly when one does."""
@@ -277,9 +139,9 @@ class Daemon:
             if deadline is None:
                 await self._changed.wait()
             else:
-                with anyio.move_on_after(max(0.0, deadline - self._clock())):
+                with anyio.move_on_after(max(0.0, deadline - self.clock())):
                     await self._changed.wait()
-            effects = self.ledger.tick(self._clock())
+            effects = self.ledger.tick(self.clock())
             if effects:
                 try:
                     await self.commit(effects)
@@ -313,7 +175,7 @@ class Daemon:
             finally:
                 self._connections -= 1
                 # A disconnect changes nothing durable: leases are re-armed on recovery.
-                self.apply(self.ledger.disconnect(conn, self._clock()))
+                self.apply(self.ledger.disconnect(conn, self.clock()))
                 self.events.emit("client.disconnected", conn=conn)
 
     async def dispatch(self, conn: int, request: p.Request) -> msgspec.Struct:
@@ -322,7 +184,7 @@ class Daemon:
         Raises:
             RequestError: the request must be refused.
         """
-        now = self._clock
+        now = self.clock
         match request:
             case p.Ping():
                 return p.PingReply(id=request.id, version=VERSION)
@@ -411,7 +273,7 @@ class Daemon:
             raise RequestError(p.ErrorCode.ALREADY_PROMOTED, f"step {step} is already promoted")
         reported = {} if save is None else save.reported_files()
         world_size = 0 if save is None else save.world_size
-        async with self._root_locks[root.path]:
+        async with self.root_locks[root.path]:
             try:
                 manifest = await anyio.to_thread.run_sync(
                     scan_save, root, step, world_size, reported
@@ -424,7 +286,7 @@ class Daemon:
                 f"{root.tmp_dir(step)} holds no DCP directory (*.distcp with .metadata): "
                 "nothing on disk proves the step complete",
             )
-        await self.commit(self.ledger.rescue(key, self._clock()))
+        await self.commit(self.ledger.rescue(key, self.clock()))
         wait = p.Wait(id=request_id, root=root.path, step=step, timeout=wait_s)
         return await self.settled(wait, root)
 
@@ -446,7 +308,7 @@ class Daemon:
         # A failed save with no directory left is still listed, so gc can clear it.
         candidates = sorted(set(on_disk) | failed)
         if remove and candidates:
-            async with self._root_locks[root.path]:
+            async with self.root_locks[root.path]:
                 await anyio.to_thread.run_sync(_gc.remove, root, candidates)
             for step in candidates:
                 self.ledger.forget(SaveKey(root.path, step))
@@ -476,13 +338,8 @@ class Daemon:
             )
         return root
 
-    def _root(self, path: str) -> RootConfig:
-        root = self.config.root_for(path)
-        assert root is not None
-        return root
-
     def _info(self, save: SaveRecord) -> p.SaveInfo:
-        now = self._clock()
+        now = self.clock()
         ranks = [
             p.RankInfo(
                 rank=rank,
@@ -516,11 +373,6 @@ def _peer_credentials(stream: SocketStream) -> dict[str, int]:
 
 def _error(request_id: int | None, code: p.ErrorCode, message: str) -> p.ErrorReply:
     return p.ErrorReply(id=request_id, error=p.ErrorInfo(code=code.value, message=message))
-
-
-def _renamed(root: RootConfig, step: int) -> bool:
-    """Whether a journaled promotion already renamed ``tmp_step_N`` to ``step_N``."""
-    return os.path.isdir(root.final_dir(step)) and not os.path.lexists(root.tmp_dir(step))
 
 
 def _why(exc: OSError) -> str:

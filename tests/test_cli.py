@@ -8,6 +8,7 @@ import select
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -368,14 +369,12 @@ class TestTail:
             try:
                 # The subscription is live once tail prints anything: each probe
                 # connection makes a client.connected event until it does.
-                ready = False
-                for _ in range(50):
+                # Bounded by a deadline, not a count: starting Python under load is slow.
+                deadline = time.monotonic() + 60
+                while not select.select([tail.stdout], [], [], 0.2)[0]:
+                    assert time.monotonic() < deadline, "tail printed nothing"
                     with connect(daemon) as probe:
                         ok(probe.request("ping"))
-                    if select.select([tail.stdout], [], [], 0.2)[0]:
-                        ready = True
-                        break
-                assert ready, "tail printed nothing"
                 assert ok(save(daemon, root, 6))["state"] == "promoted"
                 expected = daemon.wait_event("checkpoint.promoted", TIMEOUT)
                 while True:

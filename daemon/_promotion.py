@@ -1,0 +1,141 @@
+"""Running promotions: verify, journal the intent, rename, journal the outcome.
+
+Each promotion runs as its own task in the daemon's promotion task group, under its
+root's lock, inside a shielded scope: cancellation (shutdown) never stops one halfway,
+and shutdown waits for :meth:`Promoter.idle`. A promotion whose intent was journaled
+before a restart is resumed: if the rename already happened it is finished (pointer,
+outcome), never redone.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from anyio.abc import TaskGroup
+
+from orchestrator import protocol as p
+
+from . import _promoter
+from ._config import RootConfig
+from ._errors import PromotionError, RequestError, VerificationError
+from ._faults import crash_point
+from ._ledger import SaveKey
+from ._promoter import Storage
+from ._verify import read_manifest, scan_save
+
+if TYPE_CHECKING:
+    from ._server import Daemon
+
+__all__ = ["Promoter"]
+
+
+class Promoter:
+    """Starts and tracks the promotions of one daemon.
+
+    Args:
+        daemon: The daemon whose ledger, journal and events the promotions use.
+        storage: Filesystem writes of promotion.
+    """
+
+    def __init__(self, daemon: Daemon, storage: Storage) -> None:
+        self._daemon = daemon
+        self._storage = storage
+        self._running = 0
+        self._idle = anyio.Event()
+        self._idle.set()
+        self.group: TaskGroup | None = None
+        """Where promotions run; set by ``serve`` before any request is handled."""
+
+    def start(self, key: SaveKey) -> None:
+        """Promote ``key`` (now ``verifying``, or ``promoting`` after a restart)."""
+        assert self.group is not None, "promotions start only while serving"
+        self._running += 1
+        self._idle = anyio.Event()
+        self.group.start_soon(self._promote, key)
+
+    async def idle(self) -> None:
+        """Return once no promotion is in flight."""
+        while self._running:
+            await self._idle.wait()
+
+    async def _promote(self, key: SaveKey) -> None:
+        try:
+            with anyio.CancelScope(shield=True):
+                root = self._daemon.configured(key.root)
+                async with self._daemon.root_locks[root.path]:
+                    await self._promote_locked(root, key)
+        finally:
+            self._running -= 1
+            if not self._running:
+                self._idle.set()
+
+    async def _promote_locked(self, root: RootConfig, key: SaveKey) -> None:
+        daemon, ledger = self._daemon, self._daemon.ledger
+        save = ledger.get(key)
+        if save is None or save.state not in (p.SaveState.VERIFYING, p.SaveState.PROMOTING):
+            return
+        start = daemon.clock()
+        resumed = save.state is p.SaveState.PROMOTING  # intent journaled before a restart
+        try:
+            if resumed and await anyio.to_thread.run_sync(_renamed, root, key.step):
+                # The rename happened before the restart: finish, never redo it.
+                manifest = await anyio.to_thread.run_sync(read_manifest, root.final_dir(key.step))
+                done = await anyio.to_thread.run_sync(
+                    _promoter.finish, self._storage, root, key.step
+                )
+            else:
+                manifest = await anyio.to_thread.run_sync(
+                    scan_save, root, key.step, save.world_size, save.reported_files()
+                )
+                if not resumed:
+                    # The intent is durable before the rename can happen.
+                    await daemon.commit(ledger.verified(key))
+                    crash_point("after_intent")
+                done = await anyio.to_thread.run_sync(
+                    _promoter.promote, self._storage, root, key.step, manifest
+                )
+        except VerificationError as exc:
+            await self._reject(key, f"verification failed: {exc}")
+            return
+        except PromotionError as exc:
+            await self._reject(key, f"promotion failed: {exc}")
+            return
+        except RequestError as exc:  # the intent could not be journaled: do not rename
+            await self._reject(key, f"promotion not started: {exc}")
+            return
+        except Exception as exc:  # a bug must fail the save, not kill the daemon
+            daemon.events.emit("daemon.internal_error", "error", where="promote", error=repr(exc))
+            await self._reject(key, f"internal error: {exc!r}")
+            return
+        if done.pointer_error is not None:
+            daemon.events.emit(
+                "pointer.failed", "error", root=key.root, step=key.step, reason=done.pointer_error
+            )
+        now = daemon.clock()
+        fields: dict[str, Any] = {
+            "bytes": manifest.bytes,
+            "files": len(manifest.files),
+            "promotion_ms": round((now - start) * 1000, 3),
+            "latest": done.pointer_moved,
+        }
+        if resumed:
+            fields["resumed"] = True
+        try:
+            await daemon.commit(ledger.promoted(key, done.path, now, **fields))
+        except RequestError:
+            pass  # on disk it is promoted; recovery finds the rename done
+        crash_point("after_promoted")
+
+    async def _reject(self, key: SaveKey, reason: str) -> None:
+        daemon = self._daemon
+        try:
+            await daemon.commit(daemon.ledger.rejected(key, reason, daemon.clock()))
+        except RequestError:
+            pass  # already reported as journal.failed; recovery verifies again
+
+
+def _renamed(root: RootConfig, step: int) -> bool:
+    """Whether a journaled promotion already renamed ``tmp_step_N`` to ``step_N``."""
+    return os.path.isdir(root.final_dir(step)) and not os.path.lexists(root.tmp_dir(step))
