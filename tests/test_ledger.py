@@ -93,7 +93,7 @@ def promoted(world_size: int = 2) -> Ledger:
 
 
 def refused(code: ErrorCode) -> pytest.RaisesExc[RequestError]:
-    """``pytest.raises`` for a RequestError carrying ``code`` (checked by the caller)."""
+    """``pytest.raises`` that matches only a RequestError carrying ``code``."""
     return pytest.raises(RequestError, check=lambda exc: exc.code is code)
 
 
@@ -493,6 +493,21 @@ class TestDisconnectAndLease:
         assert emitted(effects, "save.rank_failed")["rank"] == 2
         assert names(effects).count("Settled") == 1
 
+    @pytest.mark.parametrize("late_input", ["begin", "done"])
+    def test_an_expired_lease_is_not_revived_by_a_late_input(self, late_input: str) -> None:
+        ledger = make_ledger()
+        begin_all(ledger, 2, now=0.0)
+        ledger.disconnect(2, now=0.0)
+        ledger.done(KEY, 0, FILES, conn=1, now=1.0)
+        # The rank comes back after its lease ran out, before the server's next tick.
+        late = LEASE + 5.0
+        with refused(ErrorCode.STEP_FAILED):
+            if late_input == "begin":
+                ledger.begin(KEY, 1, 2, conn=9, now=late)
+            else:
+                ledger.done(KEY, 1, FILES, conn=9, now=late)
+        assert state(ledger) is SaveState.FAILED
+
 
 class TestSaveTimeout:
     """An incomplete save fails ``save_timeout`` seconds after its first begin."""
@@ -577,6 +592,13 @@ class TestSaveTimeout:
         effects = ledger.tick(now=LEASE)
         assert names(effects) == ["save.rank_failed", "checkpoint.failed", "Settled"]
         assert "lease" in emitted(effects, "checkpoint.failed")["reason"]
+
+    def test_a_done_after_the_timeout_does_not_complete_the_save(self) -> None:
+        ledger = make_ledger(save_timeout=30.0)
+        ledger.begin(KEY, 0, 1, conn=1, now=0.0)
+        with refused(ErrorCode.STEP_FAILED):
+            ledger.done(KEY, 0, FILES, conn=1, now=31.0)
+        assert state(ledger) is SaveState.FAILED
 
 
 class TestPromotionPath:
@@ -687,8 +709,10 @@ class TestHistory:
         ledger.done(a, 0, FILES, conn=1, now=2.0)
         ledger.verified(a)
         ledger.promoted(a, f"{ROOT}/step_1", now=3.0)
-        ledger.rejected(b, "x", now=4.0)  # b is OPEN: the server never does this, but it settles
-        assert {s.key for s in ledger} == {a, b}
+        assert {s.key for s in ledger} == {a, b, c}, "b is still open: nothing dropped yet"
+        ledger.done(b, 0, FILES, conn=1, now=4.0)
+        ledger.rejected(b, "verification failed", now=4.0)
+        assert {s.key for s in ledger} == {a, b}, "c settled first, so it goes first"
 
     def test_unsettled_saves_are_never_dropped(self) -> None:
         ledger = make_ledger(history=1)
@@ -861,61 +885,47 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @rule(dt=st.sampled_from([0.0, 0.25, 1.0, 2.5, 4.0, 11.0, 40.0]))
     def tick(self, dt: float) -> None:
+        """Time passes and the server's timekeeper runs."""
         self.now += dt
         expected: Expected = []
-        for key, save in list(self.saves.items()):
-            if save.state is not SaveState.OPEN:
-                continue
-            expired = [r for r, rec in sorted(save.ranks.items()) if _due(rec.lease, self.now)]
-            if expired:
-                rank = expired[0]
-                save.ranks[rank].state = RankState.FAILED
-                expected.append(("save.rank_failed", key, rank))
-                expected += self._fail_save(key, "lease")
-            elif _due(save.deadline, self.now):
-                expected += self._fail_save(key, "timed out")
+        for key in list(self.saves):
+            expected += self._expire(key)
         self._call(lambda: self.ledger.tick(self.now), expected, None)
+
+    @rule(dt=st.sampled_from([0.25, 1.0, 4.0, 11.0, 40.0]))
+    def late(self, dt: float) -> None:
+        """Time passes with no tick yet: the next input may find a deadline passed."""
+        self.now += dt
 
     # -- rules: the promoter -------------------------------------------------------------
 
-    @precondition(lambda self: bool(self.to_verify))
+    @precondition(lambda self: bool(self.to_verify or self.to_promote))
     @rule(data=st.data())
-    def verdict(self, data: st.DataObject) -> None:
-        key = data.draw(st.sampled_from(self.to_verify), label="verifying")
-        self.to_verify.remove(key)
-        if data.draw(st.booleans(), label="sound"):
-            self.saves[key].state = SaveState.PROMOTING
-            self.to_promote.append(key)
-            self._call(
-                lambda: self.ledger.verified(key), [("checkpoint.promoting", key, None)], None
-            )
+    def promoter(self, data: st.DataObject) -> None:
+        """The promoter's next verdict on one save: verified, then promoted, or rejected."""
+        key = data.draw(st.sampled_from(self.to_verify + self.to_promote), label="save")
+        ok = data.draw(st.sampled_from([True, True, True, False]), label="ok")
+        if key in self.to_verify:
+            self.to_verify.remove(key)
+            if ok:
+                self.saves[key].state = SaveState.PROMOTING
+                self.to_promote.append(key)
+                expected = [("checkpoint.promoting", key, None)]
+                self._call(lambda: self.ledger.verified(key), expected, None)
+                return
+            reason = "verification failed"
         else:
-            self._call(
-                lambda: self.ledger.rejected(key, "verification failed", now=self.now),
-                self._fail_save(key, "verification failed"),
-                None,
-            )
-
-    @precondition(lambda self: bool(self.to_promote))
-    @rule(data=st.data())
-    def rename(self, data: st.DataObject) -> None:
-        key = data.draw(st.sampled_from(self.to_promote), label="promoting")
-        self.to_promote.remove(key)
-        if data.draw(st.booleans(), label="durable"):
-            self.saves[key].state = SaveState.PROMOTED
-            expected = [("checkpoint.promoted", key, None), ("Settled", key, None)]
-            self._settle(key)
-            self._call(
-                lambda: self.ledger.promoted(key, f"{key.root}/step_{key.step}", self.now),
-                expected,
-                None,
-            )
-        else:
-            self._call(
-                lambda: self.ledger.rejected(key, "promotion failed", now=self.now),
-                self._fail_save(key, "promotion failed"),
-                None,
-            )
+            self.to_promote.remove(key)
+            if ok:
+                self.saves[key].state = SaveState.PROMOTED
+                self._settle(key)
+                expected = [("checkpoint.promoted", key, None), ("Settled", key, None)]
+                path = f"{key.root}/step_{key.step}"
+                self._call(lambda: self.ledger.promoted(key, path, self.now), expected, None)
+                return
+            reason = "promotion failed"
+        failed = self._fail_save(key, reason)
+        self._call(lambda: self.ledger.rejected(key, reason, now=self.now), failed, None)
 
     @rule(key=st.sampled_from(KEYS))
     def gc(self, key: SaveKey) -> None:
@@ -936,6 +946,13 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @invariant()
     def ledger_agrees_with_the_rules(self, *, evict: bool = False) -> None:
+        """After every input: the ledger's saves match the model's, and the promises hold.
+
+        Only a save whose ranks 0..W-1 all began and are all done (none failed) is past
+        OPEN; a settled save never changes again (its state and reason match the model's,
+        which never moves it); at most one Verify and exactly one Settled per terminal save;
+        no lease or deadline outlives an open save.
+        """
         if evict:
             self._evict()
         assert {s.key for s in self.ledger} == set(self.saves)
@@ -1004,6 +1021,8 @@ class LedgerMachine(RuleBasedStateMachine):
             save = self.saves[key] = _Save(world_size, self.now, deadline)
         if save.world_size != world_size:
             return [], ErrorCode.WORLD_SIZE_MISMATCH
+        if expired := self._expire(key):
+            return expired, ErrorCode.STEP_FAILED
         if save.state is SaveState.PROMOTED:
             return [], ErrorCode.ALREADY_PROMOTED
         if save.state is SaveState.FAILED:
@@ -1030,6 +1049,8 @@ class LedgerMachine(RuleBasedStateMachine):
             return [], ErrorCode.NOT_BEGUN
         if rec.state is RankState.DONE:
             return [], None
+        if expired := self._expire(key):
+            return expired, ErrorCode.STEP_FAILED
         if save.state is SaveState.FAILED:
             return [], ErrorCode.STEP_FAILED
         rec.state, rec.conn, rec.lease = RankState.DONE, conn, None
@@ -1054,6 +1075,19 @@ class LedgerMachine(RuleBasedStateMachine):
             return [], ErrorCode.INVALID_STATE
         rec.state = RankState.FAILED
         return [("save.rank_failed", key, rank), *self._fail_save(key, f"rank {rank}")], None
+
+    def _expire(self, key: SaveKey) -> Expected:
+        """An open save whose lease (the lowest rank's first) or deadline has passed fails."""
+        save = self.saves[key]
+        if save.state is not SaveState.OPEN:
+            return []
+        for rank, rec in sorted(save.ranks.items()):
+            if _due(rec.lease, self.now):
+                rec.state = RankState.FAILED
+                return [("save.rank_failed", key, rank), *self._fail_save(key, "lease")]
+        if _due(save.deadline, self.now):
+            return self._fail_save(key, "timed out")
+        return []
 
     def _fail_save(self, key: SaveKey, why: str) -> Expected:
         save = self.saves[key]
@@ -1101,8 +1135,10 @@ class LedgerMachine(RuleBasedStateMachine):
             effects = call()
         except RequestError as exc:
             assert exc.code is error, f"expected {error}, got {exc.code}: {exc}"
-            return
-        assert error is None, f"expected {error}, got effects {names(effects)}"
+            # A refusal may carry what it changed (a save found expired on the way).
+            effects = exc.effects
+        else:
+            assert error is None, f"expected {error}, got effects {names(effects)}"
         got: Expected = []
         for effect in effects:
             if isinstance(effect, Emit):
@@ -1130,7 +1166,7 @@ def _due(deadline: float | None, now: float) -> bool:
 
 LedgerMachine.TestCase.settings = settings(
     max_examples=300,
-    stateful_step_count=40,
+    stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
