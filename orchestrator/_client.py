@@ -30,6 +30,7 @@ __all__ = ["Begun", "CheckpointClient", "DaemonError", "default_socket_path"]
 log = logging.getLogger("orchestrator")
 
 _MAX_UNACKED: Final = 100_000
+_RETRY_UNAVAILABLE: Final = 0.5
 _BACKOFF_START: Final = 0.05
 
 
@@ -435,16 +436,25 @@ class CheckpointClient:
                 self._on_reply(reply)
 
     def _on_reply(self, reply: dict[str, Any]) -> None:
-        outgoing = self._unacked.pop(reply.get("id"), None)  # type: ignore[arg-type]
-        if outgoing is None:
+        rid = reply.get("id")
+        if not isinstance(rid, int) or (outgoing := self._unacked.get(rid)) is None:
             return
-        self._acked.set()
         message = outgoing.message
-        if isinstance(message, p.Done | p.Fail):
-            with self._lock:
+        error = reply.get("error") or {}
+        if error.get("code") == p.ErrorCode.UNAVAILABLE and isinstance(
+            message, p.Begin | p.Done | p.Fail
+        ):
+            # Not acknowledged (the daemon could not make it durable): send it again.
+            self._loop.call_later(_RETRY_UNAVAILABLE, self._resend_one, rid)
+            return
+        del self._unacked[rid]
+        self._acked.set()
+        if isinstance(message, p.Begin | p.Done | p.Fail) and (
+            not reply.get("ok") or not isinstance(message, p.Begin)
+        ):
+            with self._lock:  # settled, or refused: nothing left to re-send after a reconnect
                 self._saves.pop((message.root, message.step, message.rank), None)
         if not reply.get("ok") and isinstance(message, p.Done | p.Fail):
-            error = reply.get("error") or {}
             log.warning(
                 "ckptd refused %s for step %s of %s: %s: %s",
                 type(message).__name__.lower(),
@@ -455,6 +465,11 @@ class CheckpointClient:
             )
         if outgoing.future is not None and not outgoing.future.done():
             outgoing.future.set_result(reply)
+
+    def _resend_one(self, rid: int) -> None:
+        outgoing = self._unacked.get(rid)
+        if outgoing is not None and self._writer is not None:
+            self._writer.write(outgoing.line)
 
     def _fail_queries(self) -> None:
         # Queries (status, wait, ping) are not re-sent: fail them now, keep saves.

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -84,6 +86,56 @@ class TestReconnect:
         finally:
             client.close(timeout=5.0)
         assert (root / "step_7").is_dir()
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A real 256 KiB tmpfs (needs root and CAP_SYS_ADMIN, which CI machines have)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def _fill(directory: Path) -> Path:
+    filler = directory / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(fd, b"\0" * 4096):
+            pass
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    return filler
+
+
+class TestJournalFull:
+    """A done the daemon cannot make durable is not lost: the client sends it again."""
+
+    def test_done_retried_until_durable(
+        self, daemon_factory: Callable[..., DaemonProcess], root: Path, small_fs: Path
+    ) -> None:
+        daemon = daemon_factory([root], "--state-dir", str(small_fs / "state"))
+        with CheckpointClient(str(daemon.socket_path)) as client:
+            assert client.begin(str(root), 2, 0, 1).acknowledged
+            (root / "tmp_step_2").mkdir()
+            (root / "tmp_step_2" / "w.bin").write_bytes(b"w")
+            filler = _fill(small_fs)
+            # Large enough that its journal record needs blocks the full disk lacks.
+            client.done(str(root), 2, 0, [FileEntry("w.bin", 1)] * 1000)
+            failed = daemon.wait_event("journal.failed")
+            assert "space" in failed["error"].lower()
+            assert not (root / "step_2").exists()  # never promoted on a non-durable done
+            filler.unlink()
+            assert client.wait(str(root), 2, 30.0).state == "promoted"
 
 
 class TestTrack:
