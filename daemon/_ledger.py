@@ -35,6 +35,7 @@ from ._journal import (
 __all__ = ["Effect", "Emit", "Ledger", "RankRecord", "SaveKey", "SaveRecord", "Settled", "Verify"]
 
 _TERMINAL = frozenset({SaveState.PROMOTED, SaveState.FAILED})
+_PROMOTED_OWN = frozenset({"root", "step", "path", "duration_s"})
 
 
 class SaveKey(NamedTuple):
@@ -321,11 +322,12 @@ class Ledger:
         save.path = path
         self._record(JPromoted(key.root, key.step, path, now))
         self._settle(save, now)
+        extra = {k: v for k, v in fields.items() if k not in _PROMOTED_OWN}
         event = {
             "root": key.root,
             "step": key.step,
             "path": path,
-            **fields,
+            **extra,
             "duration_s": round(now - save.first_begin, 6),
         }
         return [Emit("checkpoint.promoted", event), Settled(key)]
