@@ -464,11 +464,11 @@ class Ledger:
                     out.append(JDone(root, step, rank, list(rec.files), rec.begun_at))
                 elif rec.state is RankState.FAILED and rec.reason is not None:
                     out.append(JFail(root, step, rank, rec.reason, save.settled_at or 0.0))
+            if save.rescued:  # after the ranks' records, whose failure it overrode
+                out.append(JRescue(root, step, save.first_begin))
             failed_rank = any(r.state is RankState.FAILED for r in save.ranks.values())
-            if save.state is SaveState.FAILED and not failed_rank:
+            if save.state is SaveState.FAILED and (save.rescued or not failed_rank):
                 out.append(JSaveFailed(root, step, save.reason or "", save.settled_at or 0.0))
-            if save.rescued:
-                out.append(JRescue(root, step, save.settled_at or save.first_begin))
             if save.state in (SaveState.PROMOTING, SaveState.PROMOTED):
                 out.append(JIntent(root, step))
             if save.state is SaveState.PROMOTED and save.path is not None:
