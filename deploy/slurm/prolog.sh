@@ -73,7 +73,9 @@ if ((${#roots[@]} == 0)); then
 	exit 0 # this job does not use ckptd
 fi
 
-args=(serve --socket "$sock")
+# --state-dir: the journal lives next to the socket, in the job's own 0700 directory
+# created below (the job's user has no writable default there: HOME=/).
+args=(serve --socket "$sock" --state-dir "$dir/state")
 for root in "${roots[@]}"; do
 	# ckptd itself checks, as the job's user, that the root exists and is usable; this
 	# script runs as root and touches no user path, it only rejects relative ones.
