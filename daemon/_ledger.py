@@ -213,6 +213,7 @@ class Ledger:
         self._expired_first(save, now)
         if save.state is SaveState.FAILED:
             raise RequestError(ErrorCode.STEP_FAILED, f"step {key.step} failed: {save.reason}")
+        self._refuse_when_rescued(save, rank)
         if record.state is RankState.FAILED:  # pragma: no cover - a failed rank fails the save
             raise RequestError(ErrorCode.INVALID_STATE, f"rank {rank} already failed")
         record.state = RankState.DONE
@@ -248,7 +249,18 @@ class Ledger:
             )
         if record.state is RankState.DONE:
             raise RequestError(ErrorCode.INVALID_STATE, f"rank {rank} already reported done")
+        self._refuse_when_rescued(save, rank)
         return self._fail_rank(save, rank, record, f"rank {rank} failed: {reason}", now)
+
+    def _refuse_when_rescued(self, save: SaveRecord, rank: int) -> None:
+        # Only a rescue leaves a rank unfinished in a save past OPEN: the operator's
+        # verdict stands, a late word from that rank changes nothing.
+        if save.state is not SaveState.OPEN:
+            raise RequestError(
+                ErrorCode.INVALID_STATE,
+                f"step {save.key.step} is {save.state} by operator rescue; rank {rank}'s "
+                "report comes too late",
+            )
 
     def disconnect(self, conn: int, now: float) -> list[Effect]:
         """A connection closed: each rank it held mid-save starts its lease."""

@@ -126,6 +126,8 @@ class Promoter:
             await daemon.commit(ledger.promoted(key, done.path, now, **fields))
         except RequestError:
             pass  # on disk it is promoted; recovery finds the rename done
+        except RuntimeError as exc:  # the ledger no longer expects it: a bug, never fatal
+            daemon.events.emit("daemon.internal_error", "error", where="promoted", error=repr(exc))
         crash_point("after_promoted")
 
     async def _reject(self, key: SaveKey, reason: str) -> None:

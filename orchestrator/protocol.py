@@ -119,7 +119,7 @@ class ErrorCode(enum.StrEnum):
 
 
 class SaveState(enum.StrEnum):
-    """Life of one checkpoint step (DESIGN.md, "Life of a checkpoint")."""
+    """Life of one checkpoint step; ``docs/protocol.md`` draws the state machine."""
 
     OPEN = "open"
     VERIFYING = "verifying"

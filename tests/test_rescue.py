@@ -104,3 +104,34 @@ class TestRescue:
             assert rank.request("wait", root=str(root), step=6, timeout=30)["state"] == "promoted"
             reply = rank.request("promote", root=str(root), step=6)
         assert reply["error"]["code"] == "already_promoted"
+
+
+class TestRescueInTheLedger:
+    """After a rescue, a late report from a rank that never finished changes nothing."""
+
+    @pytest.mark.parametrize("late", ["done", "fail"])
+    def test_late_report_refused(self, late: str) -> None:
+        from daemon._errors import RequestError
+        from daemon._ledger import Ledger, SaveKey
+        from orchestrator.protocol import ErrorCode, SaveState
+
+        ledger = Ledger(lease=1.0, save_timeout=None)
+        key = SaveKey("/ckpt/run", 3)
+        ledger.begin(key, 0, 2, conn=1, now=0.0)
+        ledger.begin(key, 1, 2, conn=2, now=0.0)
+        ledger.done(key, 0, [], conn=1, now=0.5)
+        ledger.disconnect(2, now=1.0)
+        ledger.tick(now=5.0)  # rank 1's lease ran out: failed
+        ledger.rescue(key, now=6.0)
+        for state in ("verifying", "promoted"):
+            if state == "promoted":
+                ledger.verified(key)
+                ledger.promoted(key, "/ckpt/run/step_3", now=7.0)
+            with pytest.raises(RequestError) as refused:
+                if late == "done":
+                    ledger.done(key, 1, [], conn=3, now=8.0)
+                else:
+                    ledger.fail(key, 1, "late", now=8.0)
+            assert refused.value.code in (ErrorCode.INVALID_STATE, ErrorCode.ALREADY_PROMOTED)
+        save = ledger.get(key)
+        assert save is not None and save.state is SaveState.PROMOTED
