@@ -14,6 +14,7 @@ import os
 import socket
 import struct
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 
@@ -76,32 +77,56 @@ class Daemon:
         """One lock per root: promotions and gc in a root never overlap."""
         self._changed = anyio.Event()
         self.journal = journal
+        self._queue: list[JournalRecord] = []  # changes not yet durable, in order
+        self._queued = 0  # changes ever queued
+        self._durable = 0  # changes ever made durable
+        self._held: deque[tuple[int, list[Effect]]] = deque()  # effects awaiting durability
+        self._flush_lock = anyio.Lock()
         self.promoter = Promoter(self, storage or LocalStorage())
         self.stopping = False
 
     # -- effects -----------------------------------------------------------------------
 
     async def commit(self, effects: Sequence[Effect]) -> None:
-        """Journal the ledger's latest changes durably, then carry out ``effects``.
+        """Make the ledger's latest changes durable, then carry out ``effects``.
+
+        Changes are journaled in the order the ledger made them; a commit returns once
+        every change up to its own is on disk (concurrent commits share one write and
+        fsync). If the journal cannot be written, the changes stay queued and their
+        effects held back: nothing is acknowledged, emitted or started before it is
+        durable, and a retried request, which the ledger sees as a repeat, is answered
+        only once the original change is on disk.
 
         Raises:
-            RequestError: (``unavailable``) the journal could not be written; the change
-                is in memory but not durable, so the request must not be acknowledged.
+            RequestError: (``unavailable``) the journal could not be written; the
+                request must not be acknowledged and may be retried.
         """
-        records = self.ledger.drain_records()
-        failure: OSError | None = None
-        if records and self.journal is not None:
-            try:
-                await self.journal.append([self.walled(r) for r in records])
-            except OSError as exc:
-                failure = exc
-                self.events.emit("journal.failed", "error", path=self.journal.path, error=_why(exc))
-        self.apply(effects)
-        if failure is not None:
-            raise RequestError(
-                p.ErrorCode.UNAVAILABLE,
-                f"the change could not be made durable ({_why(failure)}); retry",
-            )
+        new = [self.walled(r) for r in self.ledger.drain_records()]
+        self._queue += new
+        self._queued += len(new)
+        target = self._queued
+        self._held.append((target, list(effects)))
+        if self.journal is None:
+            self._queue.clear()
+            self._durable = self._queued
+        else:
+            async with self._flush_lock:
+                if self._durable < target:
+                    batch = list(self._queue)
+                    try:
+                        with anyio.CancelScope(shield=True):
+                            await self.journal.append(batch)
+                    except OSError as exc:
+                        path = self.journal.path
+                        self.events.emit("journal.failed", "error", path=path, error=_why(exc))
+                        raise RequestError(
+                            p.ErrorCode.UNAVAILABLE,
+                            f"the change could not be made durable ({_why(exc)}); retry",
+                        ) from None
+                    del self._queue[: len(batch)]
+                    self._durable += len(batch)
+        while self._held and self._held[0][0] <= self._durable:
+            self.apply(self._held.popleft()[1])
 
     def ledger_changed(self) -> bool:
         """Whether the ledger holds changes not yet journaled."""

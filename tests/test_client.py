@@ -17,7 +17,7 @@ import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 
 from orchestrator import CheckpointClient, FileEntry
-from tests.conftest import REPO, DaemonProcess
+from tests.conftest import REPO, DaemonProcess, LineClient
 
 
 class TestDaemonDown:
@@ -136,6 +136,29 @@ class TestJournalFull:
             assert not (root / "step_2").exists()  # never promoted on a non-durable done
             filler.unlink()
             assert client.wait(str(root), 2, 30.0).state == "promoted"
+
+    def test_retry_is_not_acknowledged_until_durable(
+        self, daemon_factory: Callable[..., DaemonProcess], root: Path, small_fs: Path
+    ) -> None:
+        daemon = daemon_factory([root], "--state-dir", str(small_fs / "state"))
+        with LineClient(daemon.socket_path) as rank:
+            assert rank.request("begin", root=str(root), step=3, rank=0, world_size=1)["ok"]
+            (root / "tmp_step_3").mkdir()
+            (root / "tmp_step_3" / "w.bin").write_bytes(b"w")
+            filler = _fill(small_fs)
+            files = [{"path": "w.bin", "size": 1}] * 1000
+            for _ in range(2):  # the repeat is not answered ok while nothing is on disk
+                reply = rank.request("done", root=str(root), step=3, rank=0, files=files)
+                assert reply["error"]["code"] == "unavailable"
+            assert not (root / "step_3").exists()
+            filler.unlink()
+            assert rank.request("done", root=str(root), step=3, rank=0, files=files)["ok"]
+            assert rank.request("wait", root=str(root), step=3, timeout=30)["state"] == "promoted"
+        daemon.kill()
+        # What was finally acknowledged is in the journal.
+        restarted = daemon_factory([root], "--state-dir", str(small_fs / "state"))
+        with LineClient(restarted.socket_path) as client:
+            assert client.request("status")["saves"][0]["state"] == "promoted"
 
 
 class TestTrack:
