@@ -105,8 +105,10 @@ class Config:
     TOML file): never."""
     log_level: str = "info"
     """Lowest event level written to stdout: debug, info, warning or error."""
-    max_connections: int = 4096
+    max_connections: int = 1024
     """Connections served at once; more are closed on accept with an error line."""
+    max_open_saves: int = 10_000
+    """Saves in flight at once; a ``begin`` for another new step gets ``too_busy``."""
     socket_mode: int = 0o660
     """Permission bits of the socket file (TOML: ``socket_mode = 0o660``)."""
     state_dir: str = field(default_factory=default_state_dir)
@@ -135,6 +137,8 @@ class Config:
             raise ConfigError(
                 f"socket_mode must be permission bits like 0o660, got {self.socket_mode!r}"
             )
+        if self.max_open_saves < 1:
+            raise ConfigError(f"max_open_saves must be >= 1, got {self.max_open_saves}")
         if self.max_connections < 1:
             raise ConfigError(f"max_connections must be >= 1, got {self.max_connections}")
         for name in ("allowed_uids", "allowed_gids"):
@@ -193,6 +197,7 @@ def load_config(
         "save_timeout",
         "log_level",
         "max_connections",
+        "max_open_saves",
         "socket_mode",
         "state_dir",
         "allowed_uids",

@@ -343,7 +343,7 @@ def _show(path: str) -> str:
 
 def _read_metadata(path: str) -> bytes:
     """Read a regular file of at most DEFAULT_MAX_BYTES without blocking on FIFOs."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, "not a regular file")

@@ -41,15 +41,17 @@ async def read_lines(
     buf = bytearray()
     scanned = 0
     discarding = False
+    started: float | None = None  # when the unfinished line began
     while True:
         try:
-            if buf or discarding:
-                with anyio.fail_after(stall_timeout):
-                    chunk = await stream.receive(_CHUNK)
-            else:
+            if started is None:
                 chunk = await stream.receive(_CHUNK)
+            else:
+                # One deadline per line: trickling a byte at a time does not extend it.
+                with anyio.fail_after(max(0.0, started + stall_timeout - anyio.current_time())):
+                    chunk = await stream.receive(_CHUNK)
         except TimeoutError:
-            raise StalledLine(f"a line stalled for {stall_timeout:g}s") from None
+            raise StalledLine(f"a line was left unfinished for {stall_timeout:g}s") from None
         except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
             return
         buf += chunk
@@ -65,8 +67,11 @@ async def read_lines(
             line = bytes(buf[:nl])
             del buf[: nl + 1]
             scanned = 0
+            started = None
             if discarding or nl + 1 > max_line:
                 discarding = False
                 yield TOO_LONG
             elif line.strip():
                 yield line
+        if started is None and (buf or discarding):
+            started = anyio.current_time()

@@ -131,6 +131,7 @@ class Ledger:
         self._by_conn: dict[int, set[tuple[SaveKey, int]]] = {}
         self._outbox: list[JournalRecord] = []
         self._replaying = False
+        self._unsettled = 0
 
     # -- queries ---------------------------------------------------------------------
 
@@ -143,6 +144,11 @@ class Ledger:
 
     def __len__(self) -> int:
         return len(self._saves)
+
+    @property
+    def unsettled(self) -> int:
+        """Saves neither promoted nor failed (what bounds the daemon's memory)."""
+        return self._unsettled
 
     def next_deadline(self) -> float | None:
         """The earliest instant at which :meth:`tick` has something to do."""
@@ -177,6 +183,7 @@ class Ledger:
             deadline = None if self._save_timeout is None else now + self._save_timeout
             save = SaveRecord(key=key, world_size=world_size, first_begin=now, deadline=deadline)
             self._saves[key] = save
+            self._unsettled += 1
         if save.world_size != world_size:
             raise RequestError(
                 ErrorCode.WORLD_SIZE_MISMATCH,
@@ -368,6 +375,7 @@ class Ledger:
         if save is None:
             save = SaveRecord(key=key, world_size=0, first_begin=now, deadline=None)
             self._saves[key] = save
+            self._unsettled += 1
         elif save.state is SaveState.PROMOTED:
             raise RequestError(ErrorCode.ALREADY_PROMOTED, f"step {key.step} is already promoted")
         elif save.state in (SaveState.VERIFYING, SaveState.PROMOTING):
@@ -384,6 +392,8 @@ class Ledger:
                     f"step {key.step} is still being written by ranks {_ranges(sorted(live))}",
                 )
         previous = save.state
+        if previous is SaveState.FAILED:
+            self._unsettled += 1
         save.state = SaveState.VERIFYING
         save.rescued = True
         save.reason = None
@@ -470,12 +480,19 @@ class Ledger:
         out: list[JournalRecord] = []
         for save in sorted(self._saves.values(), key=lambda s: s.first_begin):
             root, step = save.key
-            for rank, rec in sorted(save.ranks.items()):
-                out.append(JBegin(root, step, rank, save.world_size, rec.begun_at))
-                if rec.state is RankState.DONE:
-                    out.append(JDone(root, step, rank, list(rec.files), rec.begun_at))
-                elif rec.state is RankState.FAILED and rec.reason is not None:
-                    out.append(JFail(root, step, rank, rec.reason, save.settled_at or 0.0))
+            ranks = sorted(save.ranks.items())
+            # Every begin, then every done, then the failure: the order they can happen in.
+            out += [JBegin(root, step, r, save.world_size, rec.begun_at) for r, rec in ranks]
+            out += [
+                JDone(root, step, r, list(rec.files), rec.begun_at)
+                for r, rec in ranks
+                if rec.state is RankState.DONE
+            ]
+            out += [
+                JFail(root, step, r, rec.reason, save.settled_at or 0.0)
+                for r, rec in ranks
+                if rec.state is RankState.FAILED and rec.reason is not None
+            ]
             if save.rescued:  # after the ranks' records, whose failure it overrode
                 out.append(JRescue(root, step, save.first_begin))
             failed_rank = any(r.state is RankState.FAILED for r in save.ranks.values())
@@ -568,6 +585,7 @@ class Ledger:
         return [Emit("checkpoint.failed", event, "error"), Settled(save.key)]
 
     def _settle(self, save: SaveRecord, now: float) -> None:
+        self._unsettled -= 1
         save.settled_at = now
         for rank, record in save.ranks.items():
             # A settled save needs no connection: no lease can start for it any more.

@@ -82,6 +82,7 @@ class Daemon:
         self._durable = 0  # changes ever made durable
         self._held: deque[tuple[int, list[Effect]]] = deque()  # effects awaiting durability
         self._flush_lock = anyio.Lock()
+        self._collecting: set[SaveKey] = set()  # steps gc is removing right now
         self.promoter = Promoter(self, storage or LocalStorage())
         self.stopping = False
 
@@ -219,6 +220,16 @@ class Daemon:
                     raise RequestError(p.ErrorCode.SHUTTING_DOWN, "the daemon is stopping")
                 key = SaveKey(root.path, step)
                 if self.ledger.get(key) is None:
+                    if self.ledger.unsettled >= self.config.max_open_saves:
+                        raise RequestError(
+                            p.ErrorCode.TOO_BUSY,
+                            f"{self.ledger.unsettled} saves already in flight; retry later",
+                        )
+                    if key in self._collecting:
+                        raise RequestError(
+                            p.ErrorCode.INVALID_STATE,
+                            f"{root.tmp_dir(step)} is being removed by gc; retry",
+                        )
                     await anyio.to_thread.run_sync(check_tmp_dir, root, step)
                 await self.commit(self.ledger.begin(key, rank, world_size, conn, now()))
                 save = self.ledger.get(key)
@@ -316,31 +327,39 @@ class Daemon:
         return await self.settled(wait, root)
 
     async def _gc(self, request_id: int, root: RootConfig, remove: bool) -> p.GcReply:
-        failed = {
-            s.key.step
-            for s in self.ledger
-            if s.key.root == root.path and s.state is p.SaveState.FAILED
-        }
-        active = {
-            s.key.step
-            for s in self.ledger
-            if s.key.root == root.path and s.state not in (p.SaveState.FAILED, p.SaveState.PROMOTED)
-        }
-        # An unknown tmp dir counts as orphaned only once it could no longer be a save
-        # whose ranks write before they begin.
-        min_age = self.config.save_timeout or _ORPHAN_AGE
-        on_disk = await anyio.to_thread.run_sync(_gc.candidates, root, failed, active, min_age)
-        # A failed save with no directory left is still listed, so gc can clear it.
-        candidates = sorted(set(on_disk) | failed)
-        if remove and candidates:
-            async with self.root_locks[root.path]:
-                await anyio.to_thread.run_sync(_gc.remove, root, candidates)
-            for step in candidates:
-                self.ledger.forget(SaveKey(root.path, step))
-            await self.commit([])
-            self.events.emit("gc.removed", root=root.path, steps=sorted(candidates))
-        paths = [root.tmp_dir(step) for step in sorted(candidates)]
+        # Under the root's lock: no promotion in this root runs while gc looks or removes.
+        async with self.root_locks[root.path]:
+            failed = {s.key.step for s in self._saves_of(root) if s.state is p.SaveState.FAILED}
+            # An unknown tmp dir counts as orphaned only once it could no longer be a save
+            # whose ranks write before they begin.
+            min_age = self.config.save_timeout or _ORPHAN_AGE
+            on_disk = await anyio.to_thread.run_sync(
+                _gc.candidates, root, failed, self._active_steps(root), min_age
+            )
+            # A failed save with no directory left is still listed, so gc can clear it.
+            candidates = sorted(set(on_disk) | failed)
+            if remove and candidates:
+                keys = {SaveKey(root.path, step) for step in candidates}
+                self._collecting |= keys  # from here on, begin refuses these steps
+                try:
+                    # A begin may have slipped in while the candidates were listed.
+                    active = self._active_steps(root)
+                    candidates = [step for step in candidates if step not in active]
+                    await anyio.to_thread.run_sync(_gc.remove, root, candidates)
+                finally:
+                    self._collecting -= keys
+                for step in candidates:
+                    self.ledger.forget(SaveKey(root.path, step))
+                await self.commit([])
+                self.events.emit("gc.removed", root=root.path, steps=candidates)
+        paths = [root.tmp_dir(step) for step in candidates]
         return p.GcReply(id=request_id, candidates=paths, removed=remove and bool(candidates))
+
+    def _saves_of(self, root: RootConfig) -> list[SaveRecord]:
+        return [s for s in self.ledger if s.key.root == root.path]
+
+    def _active_steps(self, root: RootConfig) -> set[int]:
+        return {s.key.step for s in self._saves_of(root) if s.state not in _SETTLED}
 
     # -- helpers -----------------------------------------------------------------------
 

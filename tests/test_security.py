@@ -94,7 +94,7 @@ class TestStalledClient:
             assert idle.request("ping")["ok"]
             stalled.send_raw(b'{"op":"pi')
             dropped = daemon.wait_event("client.dropped")
-            assert dropped["conn"] == 2 and "stalled" in dropped["reason"]
+            assert dropped["conn"] == 2 and "unfinished" in dropped["reason"]
             assert stalled.file.readline() == b""  # the daemon hung up
             # A client idle between whole lines is left alone.
             assert idle.request("ping")["ok"]
