@@ -1,0 +1,266 @@
+"""Registering a rank's Checkpointer saves with ckptd, part by part.
+
+:class:`StepTracker` is the manager's link to the daemon. For each save it begins the
+step for this rank, adds every part the Checkpointer produced to the step's
+``SaveHandle`` (upload futures, the consolidation thread, files already written) and
+seals the handle when the caller says the step is complete. The handle reports ``done``
+only once it is sealed and every part has landed, so the daemon never promotes a step
+while an upload, a consolidation or the caller's last file is still being written.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, wait
+from dataclasses import dataclass
+from typing import Any, Final
+
+import torch.distributed as dist
+from nemo_automodel.components.checkpoint._backports.filesystem import SerializationFormat
+
+from .._client import CheckpointClient, default_socket_path
+from .._tracking import SaveHandle, describe
+from ..protocol import FileEntry
+from ._lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from ._steps import (
+    StepLocation,
+    consolidation_future,
+    dcp_rank_files,
+    locate_step,
+    plain_files,
+    safetensors_rank_files,
+)
+
+__all__ = ["StepTracker", "TrackedStep", "connect"]
+
+logger = logging.getLogger("orchestrator.automodel")
+
+_PROBE_TIMEOUT: Final = 2.0
+
+
+def connect(use_daemon: bool | None, client: CheckpointClient | None) -> CheckpointClient | None:
+    """The client saves are registered through, or None for the reference behaviour.
+
+    Collective when ``use_daemon`` is None and more than one rank runs: every rank must
+    call it, since the ranks vote so that they all agree (a step some ranks never begin
+    is never promoted).
+
+    Args:
+        use_daemon: True: always (the client re-sends when a daemon comes up); False:
+            never; None: only if every rank reaches a daemon now.
+        client: The client to use; default the process-wide ``default_client()``.
+    """
+    if use_daemon is False:
+        return None
+    if use_daemon is None:
+        reachable = _probe(client)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            votes: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(votes, reachable)
+            reachable = all(votes)
+        if not reachable:
+            logger.info("ckptd: no daemon reachable from every rank; the caller renames steps")
+            return None
+    if client is None:
+        from .._dcp import default_client
+
+        client = default_client()
+    logger.info("ckptd: steps are promoted by the daemon at %s", client.socket_path)
+    return client
+
+
+def _probe(client: CheckpointClient | None) -> bool:
+    if client is not None:
+        return client.ping(_PROBE_TIMEOUT)
+    path = default_socket_path()
+    if not os.path.exists(path):
+        return False
+    probe = CheckpointClient(path)
+    try:
+        return probe.ping(_PROBE_TIMEOUT)
+    finally:
+        probe.close(timeout=0)
+
+
+@dataclass(slots=True)
+class TrackedStep:
+    """This rank's save of one step, registered with the daemon."""
+
+    location: StepLocation
+    handle: SaveHandle
+    rank: int
+
+
+class StepTracker:
+    """This rank's open and sealed steps, and what each is waiting for.
+
+    Args:
+        client: The daemon client.
+        tmp_prefix: The root's ``tmp_prefix`` as configured in the daemon.
+    """
+
+    def __init__(self, client: CheckpointClient, tmp_prefix: str) -> None:
+        self.client = client
+        self.tmp_prefix = tmp_prefix
+        self.open: TrackedStep | None = None
+        self._sealed: list[SaveHandle] = []
+        self._consolidation: Future[None] | None = None
+
+    def begin(
+        self, weights_path: str, optimizer_path: str | None, tokenizer_path: str | None
+    ) -> TrackedStep | None:
+        """Register this rank's save of the step ``weights_path`` is in.
+
+        Returns:
+            The tracked step, or None when ``weights_path`` is not in a step directory.
+
+        Raises:
+            ValueError: a path is outside the step, or the daemon writes it elsewhere.
+        """
+        location = locate_step(weights_path, self.tmp_prefix)
+        if location is None:
+            logger.warning(
+                "ckptd: %s is not inside a %sN directory; this save is not tracked and "
+                "nothing promotes it (call finalize_async_save before using it)",
+                weights_path,
+                self.tmp_prefix,
+            )
+            return None
+        for path in (weights_path, optimizer_path, tokenizer_path):
+            if path:
+                location.relative(path)
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        handle = self.client.save(location.root, location.step, rank, world)
+        if handle.begun.acknowledged and os.path.abspath(handle.path) != location.tmp_dir:
+            handle.fail(f"the trainer writes {location.tmp_dir}, not {handle.path}")
+            raise ValueError(
+                f"ckptd writes step {location.step} into {handle.path}, but the checkpoint "
+                f"paths are in {location.tmp_dir}; pass the root's tmp_prefix to "
+                "AutomodelCheckpointManager(tmp_prefix=...)"
+            )
+        return TrackedStep(location, handle, rank)
+
+    def model_saved(self, step: TrackedStep, checkpointer: Any, model_dir: str) -> None:
+        """Track what ``Checkpointer.save_model`` just wrote or started writing."""
+        rel = step.location.relative(model_dir)
+        config = checkpointer.config
+        rank, handle = step.rank, step.handle
+        safetensors = config.model_save_format == SerializationFormat.SAFETENSORS
+        # nemo_automodel 0.7.0 keeps the upload's AsyncSaveResponse here; None when the
+        # save was synchronous or a PEFT adapter (written by rank 0 before returning).
+        upload = checkpointer._model_ctx.future
+        if config.is_peft:
+            if rank == 0:
+                names = (ADAPTER_WEIGHTS, ADAPTER_CONFIG)
+                entries = plain_files(model_dir, rel)
+                handle.add_files(e for e in entries if os.path.basename(e.path) in names)
+        elif upload is not None and safetensors:
+            handle.add(
+                _then_report(upload, handle, lambda: safetensors_rank_files(model_dir, rel, rank))
+            )
+        elif upload is not None:
+            handle.add(upload, dcp_dir=rel, group_rank=rank)
+        elif safetensors:
+            handle.add_files(safetensors_rank_files(model_dir, rel, rank))
+        else:
+            handle.add_files(dcp_rank_files(model_dir, rel, rank))
+        consolidating = consolidation_future(checkpointer)
+        if consolidating is not None:
+            self._consolidation = consolidating
+            handle.add(consolidating)
+
+    def optimizer_saved(self, step: TrackedStep, checkpointer: Any, optim_dir: str) -> None:
+        """Track what ``Checkpointer.save_optimizer`` just wrote or started writing."""
+        rel = step.location.relative(optim_dir)
+        upload = checkpointer._optim_ctx.future
+        if upload is not None:
+            step.handle.add(upload, dcp_dir=rel, group_rank=step.rank)
+        else:
+            step.handle.add_files(dcp_rank_files(optim_dir, rel, step.rank))
+
+    def directory_written(self, step: TrackedStep, directory: str) -> None:
+        """Report every file of a directory this rank has finished writing."""
+        step.handle.add_files(plain_files(directory, step.location.relative(directory)))
+
+    def failed(self, step: TrackedStep, exc: BaseException) -> None:
+        """The save call raised: the step fails for every rank."""
+        step.handle.fail(f"save_checkpoint raised {describe(exc)}")
+
+    def add_files(self, paths: Iterable[str]) -> None:
+        """Report files the caller wrote into the open step (see the manager)."""
+        if self.open is None:
+            raise RuntimeError(
+                "no open step: call save_checkpoint(..., seal=False) before add_files()"
+            )
+        location = self.open.location
+        entries: list[FileEntry] = []
+        for path in paths:
+            full = path if os.path.isabs(path) else os.path.join(location.tmp_dir, path)
+            rel = location.relative(full)
+            if os.path.isdir(full):
+                entries += plain_files(full, rel)
+            else:
+                entries.append(FileEntry(os.path.normpath(rel), os.stat(full).st_size))
+        self.open.handle.add_files(entries)
+
+    def seal(self) -> None:
+        """Close the open step: ``done`` follows once every part has landed."""
+        if self.open is None:
+            return
+        step, self.open = self.open, None
+        step.handle.seal()
+        self._sealed.append(step.handle)
+
+    def before_next_save(self) -> None:
+        """Seal a step the caller left open, and let a consolidation report its outcome.
+
+        The consolidation watcher must read the thread's error before
+        ``Checkpointer.async_wait`` joins the thread and clears it, so this runs before
+        every ``async_wait``.
+        """
+        if self._consolidation is not None:
+            wait([self._consolidation])
+            self._consolidation = None
+
+    def wait_reported(self) -> None:
+        """Block until every sealed step has been reported ``done`` or ``fail``."""
+        for handle in self._sealed:
+            handle.wait_local()
+        self._sealed.clear()
+
+    def abandon(self) -> None:
+        """Fail the open step: the trainer stops before sealing it."""
+        if self.open is not None:
+            self.open.handle.fail(
+                f"the trainer closed its checkpoint manager before sealing step "
+                f"{self.open.location.step}"
+            )
+            self.open = None
+
+
+def _then_report(
+    response: Any, handle: SaveHandle, files: Callable[[], list[FileEntry]]
+) -> Future[None]:
+    """A future that resolves after ``response``'s upload, once its files are reported."""
+    upload: Future[Any] = getattr(response, "upload_completion", response)
+    reported: Future[None] = Future()
+
+    def on_upload(done: Future[Any]) -> None:
+        if done.cancelled():
+            reported.cancel()
+            return
+        error = done.exception()
+        if error is None:
+            try:
+                handle.add_files(files())
+            except Exception as exc:  # a callback boundary: never leave the step hanging
+                error = exc
+        if error is None:
+            reported.set_result(None)
+        else:
+            reported.set_exception(error)
+
+    upload.add_done_callback(on_upload)
+    return reported

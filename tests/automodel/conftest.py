@@ -1,0 +1,144 @@
+"""Real 2-rank gloo jobs running ``tests/automodel/_worker.py``, one process per rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import REPO
+
+WORKER = REPO / "tests" / "automodel" / "_worker.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class RankJob:
+    """``world`` rank processes of one scenario, their JSON lines readable in order."""
+
+    def __init__(self, scenario: str, args: list[str], socket_path: Path, world: int = 2) -> None:
+        self.lines: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.seen: list[dict[str, Any]] = []
+        self.upload_pids: set[int] = set()
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.pumps: list[threading.Thread] = []
+        port = _free_port()
+        for rank in range(world):
+            env = {
+                **os.environ,
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                # A daemon's socket, or a path where none listens (the reference mode).
+                "CKPTD_SOCKET": str(socket_path),
+                "PYTHONPATH": str(REPO),
+                "OMP_NUM_THREADS": "1",
+            }
+            proc = subprocess.Popen(
+                [sys.executable, str(WORKER), scenario, *args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=REPO,
+            )
+            self.procs.append(proc)
+            pump = threading.Thread(target=self._pump, args=(proc, rank), daemon=True)
+            pump.start()
+            self.pumps.append(pump)
+
+    def _pump(self, proc: subprocess.Popen[bytes], rank: int) -> None:
+        assert proc.stdout is not None
+        with proc.stdout:
+            for raw in proc.stdout:
+                try:
+                    line = json.loads(raw)
+                except ValueError:
+                    line = {"event": "_output", "rank": rank, "line": raw.decode()[:500]}
+                if not isinstance(line, dict):
+                    line = {"event": "_output", "rank": rank, "line": repr(line)}
+                if line.get("upload_pid"):
+                    self.upload_pids.add(int(line["upload_pid"]))
+                self.lines.put(line)
+
+    def wait_line(self, event: str, timeout: float = 90.0, **match: Any) -> dict[str, Any]:
+        """The next line from any rank with ``event`` and the given fields."""
+        for line in self.seen:
+            if line["event"] == event and all(line.get(k) == v for k, v in match.items()):
+                self.seen.remove(line)
+                return line
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.001))
+            except queue.Empty:
+                tail = [x.get("line", x["event"]) for x in self.seen[-30:]]
+                raise AssertionError(f"no {event} {match} within {timeout}s; saw {tail}") from None
+            if line["event"] == event and all(line.get(k) == v for k, v in match.items()):
+                return line
+            self.seen.append(line)
+
+    def drain(self) -> list[dict[str, Any]]:
+        """Every line not yet taken by :meth:`wait_line`, once all ranks have exited."""
+        for pump in self.pumps:
+            pump.join(30)
+        while True:
+            try:
+                self.seen.append(self.lines.get_nowait())
+            except queue.Empty:
+                return self.seen
+
+    def wait(self, timeout: float = 120.0) -> list[int]:
+        """Exit codes of every rank."""
+        return [p.wait(timeout) for p in self.procs]
+
+    def kill(self) -> None:
+        """Kill every rank and every upload process still running."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        for pid in self.upload_pids:
+            try:
+                os.kill(pid, signal.SIGKILL)  # also ends one left stopped by a test
+            except ProcessLookupError:
+                pass
+        for pump in self.pumps:
+            pump.join(30)
+
+
+@pytest.fixture
+def rank_jobs(short_dir: Path) -> Iterator[Callable[..., RankJob]]:
+    """Start 2-rank jobs; whatever still runs at the end is killed."""
+    started: list[RankJob] = []
+
+    def make(scenario: str, *args: str, socket_path: Path | None = None) -> RankJob:
+        job = RankJob(scenario, list(args), socket_path or short_dir / "no-daemon.sock")
+        started.append(job)
+        return job
+
+    yield make
+    for job in started:
+        job.kill()
+
+
+def release(gate: Path) -> None:
+    """Open a rank's FIFO gate: the rank waiting on it goes on."""
+    with open(gate, "wb") as fh:
+        fh.write(b"x")
