@@ -48,7 +48,7 @@ def files_from_metadata(result: Any, dcp_dir: str, group_rank: int) -> list[File
             end = int(info.offset) + int(info.length)
             sizes[name] = max(sizes.get(name, 0), end)
     entries = [FileEntry(os.path.normpath(os.path.join(dcp_dir, n)), s) for n, s in sizes.items()]
-    if group_rank == 0:
+    if group_rank == 0 and storage:  # a writer with nothing in storage_data wrote none
         entries.append(FileEntry(os.path.normpath(os.path.join(dcp_dir, ".metadata")), 1))
     return sorted(entries, key=lambda e: e.path)
 
