@@ -14,7 +14,7 @@ from collections.abc import Collection
 
 from ._config import RootConfig
 
-__all__ = ["TRASH", "candidates", "remove", "unknown_tmp_dirs"]
+__all__ = ["TRASH", "candidates", "quarantine", "remove", "unknown_tmp_dirs"]
 
 TRASH = ".ckptd-trash"
 """Directory inside each root where removed saves go before they are deleted."""
@@ -38,6 +38,22 @@ def candidates(
             if step in failed or _idle_for(entry.path) >= min_age:
                 found.append(step)
     return sorted(found)
+
+
+def quarantine(root: RootConfig, step: int) -> str | None:
+    """Move a failed attempt's tmp directory into the trash, kept until ``gc``.
+
+    Returns:
+        Where it went, or None if there was nothing to move. Blocking I/O.
+    """
+    tmp = root.tmp_dir(step)
+    if not os.path.lexists(tmp):
+        return None
+    trash = os.path.join(root.path, TRASH)
+    os.makedirs(trash, mode=0o700, exist_ok=True)
+    target = os.path.join(trash, f"{os.path.basename(tmp)}.failed-{uuid.uuid4().hex[:12]}")
+    os.rename(tmp, target)
+    return target
 
 
 def unknown_tmp_dirs(root: RootConfig, known: Collection[int]) -> list[int]:

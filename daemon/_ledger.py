@@ -97,6 +97,8 @@ class SaveRecord:
     path: str | None = None
     settled_at: float | None = None
     rescued: bool = False
+    conns: set[int] = field(default_factory=set)
+    """Connections that wrote this attempt (this daemon run): their begins never restart it."""
 
     def missing_ranks(self) -> list[int]:
         """Ranks that have not begun, or have begun but are not done."""
@@ -164,12 +166,21 @@ class Ledger:
     # -- inputs from ranks -------------------------------------------------------------
 
     def begin(
-        self, key: SaveKey, rank: int, world_size: int, conn: int | None, now: float
+        self,
+        key: SaveKey,
+        rank: int,
+        world_size: int,
+        conn: int | None,
+        now: float,
+        *,
+        resent: bool = False,
     ) -> list[Effect]:
         """A rank announces it is about to write the step.
 
         Idempotent: a repeated ``begin`` (e.g. after a reconnect) re-attaches the rank to
-        ``conn`` and cancels its lease.
+        ``conn`` and cancels its lease. A first ``begin`` (not ``resent``) for a failed
+        step that no live connection still writes starts a new attempt (see
+        :meth:`starts_new_attempt`).
 
         Raises:
             RequestError: rank out of range, world size mismatch, step promoted or failed.
@@ -178,7 +189,17 @@ class Ledger:
             raise RequestError(
                 ErrorCode.RANK_OUT_OF_RANGE, f"rank {rank} is not below world_size {world_size}"
             )
+        effects: list[Effect] = []
         save = self._saves.get(key)
+        if save is not None and self.starts_new_attempt(key, conn, resent=resent):
+            effects.append(
+                Emit(
+                    "save.retried",
+                    {"root": key.root, "step": key.step, "previous_reason": save.reason},
+                    "warning",
+                )
+            )
+            save = None  # the failed attempt stays in history until it is pruned
         if save is None:
             deadline = None if self._save_timeout is None else now + self._save_timeout
             save = SaveRecord(key=key, world_size=world_size, first_begin=now, deadline=deadline)
@@ -198,8 +219,26 @@ class Ledger:
             raise RequestError(ErrorCode.INVALID_STATE, f"step {key.step} is {save.state}")
         save.ranks[rank] = RankRecord(state=RankState.WRITING, begun_at=now, conn=conn)
         self._attach(conn, key, rank)
+        if conn is not None:
+            save.conns.add(conn)
         self._record(JBegin(key.root, key.step, rank, world_size, now))
-        return [Emit("save.begun", {**_ids(key, rank), "world_size": world_size})]
+        return [*effects, Emit("save.begun", {**_ids(key, rank), "world_size": world_size})]
+
+    def starts_new_attempt(self, key: SaveKey, conn: int | None, *, resent: bool = False) -> bool:
+        """Whether a ``begin`` for ``key`` from ``conn`` would start the step over.
+
+        True for a failed step and a ``begin`` from a process that took no part in the
+        failed attempt: not on one of its connections, and not re-sent after a
+        reconnect. That is a job that crashed while saving step N, resumed from an
+        earlier checkpoint and saves step N again. The server moves the old files aside
+        first. A late ``begin`` from the failed attempt itself is refused instead.
+        """
+        save = self._saves.get(key)
+        if save is None or save.state is not SaveState.FAILED:
+            return False
+        if self._replaying:  # only a new attempt was ever journaled after a failure
+            return True
+        return not resent and conn not in save.conns
 
     def done(
         self,
@@ -225,6 +264,8 @@ class Ledger:
             raise RequestError(ErrorCode.INVALID_STATE, f"rank {rank} already failed")
         record.state = RankState.DONE
         record.files = tuple(files)
+        if conn is not None:
+            save.conns.add(conn)
         self._record(JDone(key.root, key.step, rank, list(files), now))
         record.lease_deadline = None
         self._detach(record.conn, key, rank)
@@ -534,13 +575,15 @@ class Ledger:
         if save.state is SaveState.FAILED:
             raise RequestError(
                 ErrorCode.STEP_FAILED,
-                f"step {save.key.step} failed ({save.reason}); save under a new step, "
-                "or clear it with `ckptd gc ROOT --yes`",
+                f"step {save.key.step} failed ({save.reason}); this attempt cannot resume "
+                "(a new job's begin starts the step over)",
             )
 
     def _reattach(
         self, save: SaveRecord, rank: int, record: RankRecord, conn: int | None
     ) -> list[Effect]:
+        if conn is not None:
+            save.conns.add(conn)
         if record.conn == conn:
             return []
         self._detach(record.conn, save.key, rank)

@@ -219,19 +219,13 @@ class Daemon:
                 if self.stopping:
                     raise RequestError(p.ErrorCode.SHUTTING_DOWN, "the daemon is stopping")
                 key = SaveKey(root.path, step)
-                if self.ledger.get(key) is None:
-                    if self.ledger.unsettled >= self.config.max_open_saves:
-                        raise RequestError(
-                            p.ErrorCode.TOO_BUSY,
-                            f"{self.ledger.unsettled} saves already in flight; retry later",
-                        )
-                    if key in self._collecting:
-                        raise RequestError(
-                            p.ErrorCode.INVALID_STATE,
-                            f"{root.tmp_dir(step)} is being removed by gc; retry",
-                        )
-                    await anyio.to_thread.run_sync(check_tmp_dir, root, step)
-                await self.commit(self.ledger.begin(key, rank, world_size, conn, now()))
+                retry = self.ledger.starts_new_attempt(key, conn, resent=request.resent)
+                if self.ledger.get(key) is None or retry:
+                    await self._admit(root, key, retry)
+                effects = self.ledger.begin(
+                    key, rank, world_size, conn, now(), resent=request.resent
+                )
+                await self.commit(effects)
                 save = self.ledger.get(key)
                 assert save is not None
                 return p.BeginReply(id=request.id, path=root.tmp_dir(step), state=save.state)
@@ -276,6 +270,29 @@ class Daemon:
                 root = self.configured(root_path)
                 return await self._gc(request.id, root, remove)
         raise RequestError(p.ErrorCode.UNKNOWN_OP, f"unhandled op {type(request).__name__}")
+
+    async def _admit(self, root: RootConfig, key: SaveKey, retry: bool) -> None:
+        """Checks before a new save (or a new attempt at a failed one) may begin.
+
+        Raises:
+            RequestError: too many saves in flight, gc is removing the step, or its
+                directories are unusable.
+        """
+        if self.ledger.unsettled >= self.config.max_open_saves:
+            raise RequestError(
+                p.ErrorCode.TOO_BUSY,
+                f"{self.ledger.unsettled} saves already in flight; retry later",
+            )
+        if key in self._collecting:
+            raise RequestError(
+                p.ErrorCode.INVALID_STATE, f"{root.tmp_dir(key.step)} is being removed by gc; retry"
+            )
+        if retry:
+            # The failed attempt's files must not mix with the new one's.
+            moved = await anyio.to_thread.run_sync(_gc.quarantine, root, key.step)
+            if moved is not None:
+                self.events.emit("save.quarantined", root=root.path, step=key.step, path=moved)
+        await anyio.to_thread.run_sync(check_tmp_dir, root, key.step)
 
     async def settled(self, request: p.Wait, root: RootConfig) -> p.WaitReply:
         """The reply to ``wait``, once the step settles or ``request.timeout`` passes."""

@@ -411,7 +411,12 @@ class CheckpointClient:
         for (root, step, rank), world_size in open_saves.items():
             if (root, step, rank) not in queued:
                 msg = p.Begin(
-                    id=next(self._ids), root=root, step=step, rank=rank, world_size=world_size
+                    id=next(self._ids),
+                    root=root,
+                    step=step,
+                    rank=rank,
+                    world_size=world_size,
+                    resent=True,
                 )
                 again = _Outgoing(msg, None, p.encode(msg))
                 self._unacked[msg.id] = again

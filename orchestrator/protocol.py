@@ -152,12 +152,17 @@ class Ping(_Request, frozen=True, tag="ping"):
 
 
 class Begin(_Request, frozen=True, tag="begin"):
-    """A rank is about to write into ``ROOT/<tmp_prefix><step>/``. Idempotent."""
+    """A rank is about to write into ``ROOT/<tmp_prefix><step>/``. Idempotent.
+
+    ``resent`` marks a begin repeated on a new connection after a reconnect: it can never
+    start a failed step over, only re-attach to the attempt it belongs to.
+    """
 
     root: PathStr
     step: Step
     rank: Rank
     world_size: WorldSize
+    resent: bool = False
 
 
 class Done(_Request, frozen=True, tag="done"):

@@ -171,9 +171,20 @@ class TestBegin:
     def test_begin_of_a_failed_step_is_refused(self) -> None:
         ledger = failed()
         with refused(ErrorCode.STEP_FAILED) as info:
-            ledger.begin(KEY, 1, 2, conn=9, now=3.0)
+            ledger.begin(KEY, 1, 2, conn=2, now=3.0)  # a connection of the failed attempt
         assert "disk full" in str(info.value)
+        with refused(ErrorCode.STEP_FAILED):
+            ledger.begin(KEY, 1, 2, conn=9, now=3.0, resent=True)  # re-sent after a reconnect
         assert state(ledger) is SaveState.FAILED
+
+    def test_begin_from_a_new_process_starts_a_new_attempt(self) -> None:
+        ledger = failed()
+        effects = ledger.begin(KEY, 0, 4, conn=9, now=3.0)  # a resumed job, another world
+        assert names(effects) == ["save.retried", "save.begun"]
+        assert emitted(effects, "save.retried")["previous_reason"] == "rank 0 failed: disk full"
+        save = ledger.get(KEY)
+        assert save is not None and (save.state, save.world_size) == (SaveState.OPEN, 4)
+        assert sorted(save.ranks) == [0]
 
     def test_steps_and_roots_are_independent(self) -> None:
         ledger = failed()
@@ -800,6 +811,7 @@ class _Save:
     reason: str | None = None
     verifies: int = 0
     settles: int = 0
+    conns: set[int] = field(default_factory=set)
 
 
 class LedgerMachine(RuleBasedStateMachine):
@@ -1016,6 +1028,11 @@ class LedgerMachine(RuleBasedStateMachine):
         if rank >= world_size:
             return [], ErrorCode.RANK_OUT_OF_RANGE
         save = self.saves.get(key)
+        retried: Expected = []
+        if save is not None and save.state is SaveState.FAILED and conn not in save.conns:
+            # A process that took no part in the failed attempt starts the step over.
+            retried = [("save.retried", key, None)]
+            save = None
         if save is None:
             deadline = None if self.timeout is None else self.now + self.timeout
             save = self.saves[key] = _Save(world_size, self.now, deadline)
@@ -1031,7 +1048,9 @@ class LedgerMachine(RuleBasedStateMachine):
         if rec is None:
             assert save.state is SaveState.OPEN, "every rank has begun once the save is past OPEN"
             save.ranks[rank] = _Rank(RankState.WRITING, conn)
-            return [("save.begun", key, rank)], None
+            save.conns.add(conn)
+            return [*retried, ("save.begun", key, rank)], None
+        save.conns.add(conn)
         if rec.conn == conn:
             return [], None
         rec.conn = conn
@@ -1054,6 +1073,7 @@ class LedgerMachine(RuleBasedStateMachine):
         if save.state is SaveState.FAILED:
             return [], ErrorCode.STEP_FAILED
         rec.state, rec.conn, rec.lease = RankState.DONE, conn, None
+        save.conns.add(conn)
         expected: Expected = [("save.rank_done", key, rank)]
         done = [r for r, x in save.ranks.items() if x.state is RankState.DONE]
         if sorted(done) == list(range(save.world_size)):
