@@ -1,113 +1,232 @@
-"""Daemon request throughput and latency under concurrent clients.
+"""Benchmark 4: daemon throughput and round-trip latency under 1 to 512 concurrent clients.
 
-Starts a daemon from a source tree (this one, or another checkout given with ``--tree``,
-to compare two versions in the same run), opens N connections, and has each send
-``begin``/``done`` pairs for its own rank of open saves (world size 2, so nothing is
-promoted: the figure is the request path, journal included). Prints requests/s and
-round-trip p50/p99 per client count.
+One load generator (asyncio, on uvloop when installed, msgspec codecs) opens N Unix
+connections; each sends ``begin``/``done`` pairs for rank 0 of its own world-size-2
+saves, one request at a time, so nothing is promoted and the figure is the request path
+with the journal on: validation, ledger, a group-committed ``write`` + ``fsync`` before
+each reply, events on stdout. The saves stay open, so the ledger grows through each
+point (the daemon's ``max_open_saves`` is lifted for it). The same generator drives,
+point by point and interleaved:
 
-    .venv/bin/python -m bench.throughput [--clients 1,8,64] [--seconds 5] [--tree DIR]
+- ``echo``: a bare asyncio newline-JSON echo server (:mod:`bench._echo`), the ceiling
+  of the language and the socket here (the baseline);
+- ``ckptd``: the daemon as shipped (journal fsynced on the benchmark's disk);
+- ``ckptd, journal on tmpfs`` (full mode): the same with ``--state-dir`` on
+  ``/dev/shm``, where ``fsync`` is free: what the daemon's own code costs;
+- ``ckptd on uvloop`` (full mode): the same daemon under uvloop (:mod:`bench._uvloop_serve`).
+
+Every point gets a fresh server.
+
+    .venv/bin/python -m bench.throughput [--full] [--clients 1,8,64,512] [--seconds 3]
+        [--tree OTHER_CHECKOUT]   # also measure another build's daemon, same run
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+import msgspec
+
+from ._common import REPO, BenchResult, Daemon, Row, median, p99, print_table, scratch_dir
+
+__all__ = ["load", "run"]
+
+_MAX_OPEN = 1_000_000
+"""The load leaves every save open (tens of thousands per point): lift the daemon's cap."""
+
+_encode = msgspec.json.encode
+_decode = msgspec.json.decode
 
 
 async def _client(path: str, root: str, ident: int, stop_at: float, lat: list[float]) -> int:
-    reader, writer = await asyncio.open_unix_connection(path)
+    reader, writer = await asyncio.open_unix_connection(path, limit=1 << 20)
     sent = 0
     step = ident * 10_000_000
-    while time.perf_counter() < stop_at:
-        step += 1
-        for op in ("begin", "done"):
-            req = {"op": op, "id": sent, "root": root, "step": step, "rank": 0}
-            if op == "begin":
-                req["world_size"] = 2
-            start = time.perf_counter()
-            writer.write(json.dumps(req).encode() + b"\n")
-            reply = json.loads(await reader.readline())
-            lat.append(time.perf_counter() - start)
-            if not reply.get("ok"):
-                raise SystemExit(f"request refused: {reply}")
-            sent += 1
-    writer.close()
+    clock = time.perf_counter
+    try:
+        while clock() < stop_at:
+            step += 1
+            for op in ("begin", "done"):
+                req: dict[str, Any] = {"op": op, "id": sent, "root": root, "step": step, "rank": 0}
+                if op == "begin":
+                    req["world_size"] = 2
+                start = clock()
+                writer.write(_encode(req) + b"\n")
+                reply = _decode(await reader.readline())
+                lat.append(clock() - start)
+                if not reply.get("ok"):
+                    raise RuntimeError(f"request refused: {reply}")
+                sent += 1
+    finally:
+        writer.close()
     return sent
 
 
 async def _load(path: str, root: str, clients: int, seconds: float) -> tuple[float, list[float]]:
     lat: list[float] = []
-    stop_at = time.perf_counter() + seconds
     start = time.perf_counter()
+    stop_at = start + seconds
     counts = await asyncio.gather(*(_client(path, root, i, stop_at, lat) for i in range(clients)))
     return sum(counts) / (time.perf_counter() - start), lat
 
 
-def run(tree: Path, clients: list[int], seconds: float, label: str) -> list[dict[str, float]]:
-    """Measure one daemon build; one fresh daemon per client count."""
-    rows = []
-    for n in clients:
-        with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
-            root, sock = Path(tmp) / "run", str(Path(tmp) / "d.sock")
-            root.mkdir()
-            cmd = [sys.executable, "-m", "daemon", "serve", "--socket", sock, "--root", str(root)]
-            cmd += ["--log-level", "error"]
-            help_text = subprocess.run(
-                [*cmd[:4], "--help"], cwd=tree, capture_output=True, text=True, check=True
-            ).stdout
-            if "--state-dir" in help_text:
-                cmd += ["--state-dir", str(Path(tmp) / "state")]
-            env = {**os.environ, "PYTHONPATH": str(tree)}
-            daemon = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL)
-            try:
-                deadline = time.monotonic() + 30
-                while not os.path.exists(sock):
-                    if time.monotonic() > deadline or daemon.poll() is not None:
-                        raise SystemExit(f"{label}: daemon did not start")
-                    time.sleep(0.02)
-                rate, lat = asyncio.run(_load(sock, str(root), n, seconds))
-            finally:
-                daemon.terminate()
-                daemon.wait(60)
-        lat.sort()
-        rows.append(
-            {
-                "clients": n,
-                "rps": rate,
-                "p50_ms": statistics.median(lat) * 1000,
-                "p99_ms": lat[int(len(lat) * 0.99) - 1] * 1000,
-            }
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
+def load(path: str, root: str, clients: int, seconds: float) -> tuple[float, list[float]]:
+    """Drive ``path`` with ``clients`` closed-loop clients for ``seconds``.
+
+    Returns:
+        Requests per second and every round trip in seconds.
+    """
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        return runner.run(_load(path, root, clients, seconds))
+
+
+@contextmanager
+def _echo_server(work: Path) -> Any:
+    sock = str(work / "e.sock")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench._echo", sock], stdout=subprocess.PIPE, env=env, cwd=REPO
+    )
+    try:
+        assert proc.stdout is not None
+        if b"daemon.ready" not in proc.stdout.readline():
+            raise RuntimeError("echo server did not start")
+        yield sock
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+@contextmanager
+def _daemon(work: Path, root: Path, kind: str, tree: Path) -> Any:
+    state = None
+    module = "daemon"
+    if kind == "tmpfs":
+        state = Path(tempfile.mkdtemp(prefix="ckb-", dir="/dev/shm"))
+    elif kind == "uvloop":
+        module = "bench._uvloop_serve"
+    try:
+        daemon = Daemon(
+            work,
+            [root],
+            state_dir=state,
+            module=module,
+            keep_events=False,
+            tree=tree,
+            settings={"max_open_saves": _MAX_OPEN},
         )
-    return rows
+        with daemon:
+            yield str(work / "d.sock")
+    finally:
+        if state is not None:
+            subprocess.run(["rm", "-rf", str(state)], check=False)
+
+
+_TARGETS = {
+    "echo": "echo server (asyncio)",
+    "ckptd": "ckptd",
+    "tmpfs": "ckptd, journal on tmpfs",
+    "uvloop": "ckptd on uvloop",
+}
+
+
+def run(
+    quick: bool = True,
+    *,
+    clients: list[int] | None = None,
+    seconds: float | None = None,
+    targets: list[str] | None = None,
+    trees: list[Path] | None = None,
+) -> BenchResult:
+    """Run benchmark 4.
+
+    Args:
+        quick: 1.5 s per point, echo and ckptd; full: 5 s per point, plus the tmpfs
+            journal and uvloop variants.
+        clients: Concurrent client counts (default 1, 8, 64, 512).
+        seconds: Load duration per point (overrides the mode).
+        targets: Any of ``echo``, ``ckptd``, ``tmpfs``, ``uvloop``.
+        trees: Other source trees whose daemon to measure as well (``ckptd`` kind).
+    """
+    counts = clients or [1, 8, 64, 512]
+    secs = seconds or (1.5 if quick else 5.0)
+    kinds = targets or (["echo", "ckptd"] if quick else ["echo", "ckptd", "tmpfs", "uvloop"])
+    points: list[tuple[str, str, Path]] = [(k, _TARGETS[k], REPO) for k in kinds]
+    points += [("ckptd", f"ckptd ({t.name})", t) for t in trees or []]
+    results: dict[str, dict[int, dict[str, Any]]] = {label: {} for _, label, _ in points}
+    for n in counts:
+        for kind, label, tree in points:
+            with scratch_dir() as work:
+                root = work / "run"
+                root.mkdir()
+                server: AbstractContextManager[str] = (
+                    _echo_server(work) if kind == "echo" else _daemon(work, root, kind, tree)
+                )
+                with server as sock:
+                    rate, lat = load(sock, str(root), n, secs)
+            ms = [x * 1000 for x in lat]
+            results[label][n] = {"rps": rate, "p50_ms": median(ms), "p99_ms": p99(ms), "n": len(ms)}
+    rows: list[Row] = []
+    echo = results.get(_TARGETS["echo"], {})
+    for label, per_n in results.items():
+        for n, r in per_n.items():
+            row = Row("throughput", f"{label}, {n} clients", "requests/s", "req/s", r["rps"])
+            row.n = r["n"]
+            if label != _TARGETS["echo"] and n in echo:
+                row.baseline, row.baseline_name = echo[n]["rps"], "echo"
+                row.ratio = r["rps"] / echo[n]["rps"]
+                if n == 64 and label == _TARGETS["ckptd"]:
+                    row.target, row.met = ">= 0.5x echo", row.ratio >= 0.5
+            rows.append(row)
+            lat_row = Row("throughput", f"{label}, {n} clients", "round trip", "ms", r["p50_ms"])
+            lat_row.p99, lat_row.n = r["p99_ms"], r["n"]
+            if label != _TARGETS["echo"] and n in echo:
+                lat_row.baseline, lat_row.baseline_name = echo[n]["p50_ms"], "echo p50"
+                lat_row.ratio = r["p50_ms"] / echo[n]["p50_ms"]
+            if n == 8 and label == _TARGETS["ckptd"]:
+                lat_row.target, lat_row.met = "p99 < 2 ms", r["p99_ms"] < 2.0
+            rows.append(lat_row)
+    raw = {label: {str(n): r for n, r in per_n.items()} for label, per_n in results.items()}
+    return BenchResult(rows, raw)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clients", default="1,8,64")
-    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--full", action="store_true")
+    parser.add_argument("--clients", help="comma-separated client counts")
+    parser.add_argument("--seconds", type=float)
+    parser.add_argument("--targets", help="comma-separated: echo,ckptd,tmpfs,uvloop")
     parser.add_argument("--tree", type=Path, action="append", default=[])
     args = parser.parse_args()
-    clients = [int(c) for c in args.clients.split(",")]
-    trees = args.tree or [REPO]
-    print(f"{'build':<28} {'clients':>7} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
-    for tree in trees:
-        for row in run(tree, clients, args.seconds, str(tree)):
-            print(
-                f"{tree.name[:28]:<28} {row['clients']:>7} {row['rps']:>9.0f} "
-                f"{row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f}",
-                flush=True,
-            )
+    result = run(
+        not args.full,
+        clients=[int(c) for c in args.clients.split(",")] if args.clients else None,
+        seconds=args.seconds,
+        targets=args.targets.split(",") if args.targets else None,
+        trees=args.tree,
+    )
+    print_table(result.rows)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,244 @@
+"""Benchmark 5: what the client costs the training thread and the writer thread.
+
+A real :class:`orchestrator.CheckpointClient` connected to a real daemon. Timed with
+``time.perf_counter_ns``, one call at a time:
+
+- ``track()``: what a trainer calls per save (``begin``, add the future, seal). The
+  ``begin`` waits for the daemon's acknowledgement, so it is timed twice: for a new step
+  (the daemon journals it: a ``write`` and an ``fsync``) and for a step already begun
+  (no journal write: the round trip alone).
+- ``track()`` with the prototype client whose ``begin`` is not awaited
+  (:class:`bench._pipelined.PipelinedClient`): the recommended change.
+- ``SaveHandle.add`` + ``seal`` on a begun handle: the client's own bookkeeping.
+- the done-callback: completing the upload future (``set_result`` with a DCP
+  ``Metadata`` of 16 shards) runs it on the calling thread, as DCP's writer thread does:
+  it lists the rank's shard files and hands ``done`` to the client's I/O thread.
+
+Baselines in the same run: ``Future.add_done_callback`` of a no-op plus nothing else
+(the floor of registering), and ``set_result`` on a future with a no-op callback.
+A third baseline, ``loop.call_soon_threadsafe`` into an idle asyncio loop thread, is the
+floor of handing a message to an I/O thread (the client's design). Allocation growth:
+``tracemalloc``'s traced size after each tenth of 100,000 iterations of ``track()`` +
+completing the future (flushed, ``gc`` run), last minus first.
+
+    .venv/bin/python -m bench.client_cost [--full] [--calls 100000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import threading
+import time
+import tracemalloc
+from collections.abc import Callable
+from concurrent.futures import Future
+from functools import partial
+from typing import Any
+
+from orchestrator import CheckpointClient
+
+from ._common import BenchResult, Daemon, Row, median, p99, print_table, scratch_dir
+from ._pipelined import PipelinedClient
+
+__all__ = ["run"]
+
+
+def _metadata(shards: int = 16) -> Any:
+    """A DCP ``Metadata`` as a 2-rank save's future resolves to (rank 0's shards)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    storage = {
+        MetadataIndex(f"layer{i}.weight", (0,)): _StorageInfo(
+            f"__{i % 2}_0.distcp", (i // 2) * 4096, 4096
+        )
+        for i in range(shards)
+    }
+    return Metadata(state_dict_metadata={}, storage_data=storage)
+
+
+def _noop(_fut: Future[Any]) -> None:
+    """A done-callback that does nothing (the baseline's)."""
+
+
+def _time_ns(func: Callable[[], object]) -> int:
+    start = time.perf_counter_ns()
+    func()
+    return time.perf_counter_ns() - start
+
+
+def _row(name: str, metric: str, us: list[float], base: list[float] | None, base_name: str) -> Row:
+    row = Row("client_cost", name, metric, "us", median(us))
+    row.p99, row.n = p99(us), len(us)
+    if base:
+        row.baseline, row.baseline_name = median(base), base_name
+        row.ratio = row.median / row.baseline
+    return row
+
+
+def run(
+    quick: bool = True, *, calls: int | None = None, alloc_calls: int | None = None
+) -> BenchResult:
+    """Run benchmark 5.
+
+    Args:
+        quick: 1,000 timed calls per case, 10,000 for allocation growth through the
+            prototype client; full: 10,000 timed calls, 100,000 through the real client.
+        calls: Timed calls per case (overrides the mode).
+        alloc_calls: Calls between the two allocation snapshots (default 100,000).
+    """
+    n = calls or (1_000 if quick else 10_000)
+    n_alloc = alloc_calls or (10_000 if quick else 100_000)
+    new_steps = min(n, 500)  # each journals a begin: an fsync apiece
+    md = _metadata()
+    raw: dict[str, Any] = {}
+    with scratch_dir() as work:
+        root = work / "run"
+        root.mkdir()
+        rootp = str(root)
+        with Daemon(work, [root], keep_events=False) as daemon:
+            client = CheckpointClient(daemon.socket, begin_timeout=10.0)
+            piped = PipelinedClient(daemon.socket, begin_timeout=10.0)
+            assert client.ping(10.0) and piped.ping(10.0)
+            # World size 2 and only rank 0: the saves stay open and nothing is promoted.
+            base_reg: list[float] = []
+            base_set: list[float] = []
+            handoff: list[float] = []
+            track_new: list[float] = []
+            track_again: list[float] = []
+            track_piped: list[float] = []
+            add_seal: list[float] = []
+            callback: list[float] = []
+            loop = asyncio.new_event_loop()
+            looper = threading.Thread(target=loop.run_forever, daemon=True)
+            looper.start()
+            for i in range(n):
+                fut: Future[Any] = Future()
+                base_reg.append(_time_ns(partial(fut.add_done_callback, _noop)) / 1000)
+                base_set.append(_time_ns(partial(fut.set_result, md)) / 1000)
+                handoff.append(_time_ns(partial(loop.call_soon_threadsafe, _noop, fut)) / 1000)
+                # Each timed call starts with nothing queued for the daemon.
+                if i < new_steps:  # a new step: begin is journaled before it is acknowledged
+                    client.flush(30.0)
+                    fut = Future()
+                    track = partial(client.track, rootp, 1_000_000 + i, 0, 2, fut, dcp_dir=".")
+                    track_new.append(_time_ns(track) / 1000)
+                    fut.set_result(md)
+                client.flush(30.0)
+                fut = Future()
+                track = partial(client.track, rootp, 1, 0, 2, fut, dcp_dir=".")
+                track_again.append(_time_ns(track) / 1000)
+                callback.append(_time_ns(partial(fut.set_result, md)) / 1000)
+                piped.flush(30.0)
+                fut = Future()
+                track = partial(piped.track, rootp, 2, 0, 2, fut, dcp_dir=".")
+                track_piped.append(_time_ns(track) / 1000)
+                fut.set_result(md)
+                handle = client.save(rootp, 1, 0, 2)
+                client.flush(30.0)
+                fut = Future()
+
+                def add_and_seal(h: Any = handle, f: Future[Any] = fut) -> None:
+                    h.add(f, dcp_dir=".")
+                    h.seal()
+
+                add_seal.append(_time_ns(add_and_seal) / 1000)
+                fut.set_result(md)
+            loop.call_soon_threadsafe(loop.stop)
+            looper.join(10.0)
+            loop.close()
+            assert client.flush(30.0) and piped.flush(30.0)
+
+            # Allocation growth across many calls: the traced size after each tenth of
+            # them (flushed, collected); growth is the last minus the first.
+            who: CheckpointClient = piped if quick else client
+
+            def cycle(count: int) -> None:
+                for i in range(count):
+                    f: Future[Any] = Future()
+                    who.track(rootp, 3, 0, 2, f, dcp_dir=".")
+                    f.set_result(md)
+                    if i % 100 == 99:  # a trainer is never far ahead of the daemon either
+                        who.flush(30.0)
+                who.flush(30.0)
+
+            cycle(1000)  # warm caches and freelists
+            tracemalloc.start()
+            sizes: list[int] = []
+            for _block in range(10):
+                cycle(n_alloc // 10)
+                gc.collect()
+                sizes.append(tracemalloc.get_traced_memory()[0])
+            tracemalloc.stop()
+            client.close()
+            piped.close()
+    rows = [
+        _row("track(), new step", "training thread", track_new, base_reg, "add_done_callback"),
+        _row(
+            "track(), step already begun",
+            "training thread",
+            track_again,
+            base_reg,
+            "add_done_callback",
+        ),
+        _row(
+            "track(), begin not awaited*",
+            "training thread",
+            track_piped,
+            base_reg,
+            "add_done_callback",
+        ),
+        _row("SaveHandle.add + seal", "training thread", add_seal, base_reg, "add_done_callback"),
+        _row(
+            "done-callback (set_result)",
+            "writer thread",
+            callback,
+            base_set,
+            "set_result, no-op cb",
+        ),
+    ]
+    floor = _row("call_soon_threadsafe", "hand-off to a loop thread", handoff, None, "")
+    floor.note = "the floor of handing one message to an I/O thread, as the client does"
+    rows.append(floor)
+    for row in rows[:5]:
+        row.target, row.met = "p50 < 20 us", row.median < 20.0
+    kind = "begin not awaited*" if quick else "track"
+    growth = Row(
+        "client_cost",
+        f"{n_alloc:,} x {kind} + done",
+        "allocation growth",
+        "bytes",
+        float(sizes[-1] - sizes[0]),
+    )
+    growth.p99, growth.n = float(max(sizes) - min(sizes)), n_alloc
+    growth.target = "no growth (< 64 KiB)"
+    growth.met = sizes[-1] - sizes[0] < 64 * 1024
+    growth.note = "traced size after the last tenth minus after the first; p99 column: max - min"
+    rows.append(growth)
+    raw.update(
+        {
+            "track_new_us": track_new,
+            "track_again_us": track_again,
+            "track_piped_us": track_piped,
+            "add_seal_us": add_seal,
+            "callback_us": callback,
+            "handoff_us": handoff,
+            "alloc_sizes": sizes,
+        }
+    )
+    return BenchResult(rows, raw)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--full", action="store_true")
+    parser.add_argument("--calls", type=int)
+    parser.add_argument("--alloc-calls", type=int)
+    args = parser.parse_args()
+    print_table(run(not args.full, calls=args.calls, alloc_calls=args.alloc_calls).rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""The benchmarks run end to end with tiny parameters and produce well-formed rows.
+
+No timing is asserted here: the figures live in ``docs/performance.md``, from
+``python -m bench --full``; these tests only keep the benchmarks runnable.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from bench import __main__ as bench_main
+from bench import client_cost, disk, footprint, promotion, stall, throughput
+from bench._common import BenchResult, Row
+
+
+def well_formed(result: BenchResult, bench: str) -> None:
+    assert result.rows, f"{bench} produced no rows"
+    for row in result.rows:
+        assert isinstance(row, Row)
+        assert row.bench == bench
+        assert row.name and row.metric and row.unit
+        assert math.isfinite(row.median), row
+        if row.baseline is not None and row.ratio is not None:
+            assert row.ratio == pytest.approx(row.median / row.baseline, rel=1e-6)
+        if row.target is not None:
+            assert row.met in (True, False), row
+    json.dumps(result.raw)  # the raw samples go into the JSON results as they are
+
+
+class TestInProcessBenchmarks:
+    """Promotion, throughput, client cost and footprint run with tiny parameters."""
+
+    def test_promotion(self) -> None:
+        well_formed(promotion.run(files=[2, 20], reps=1), "promotion")
+
+    def test_throughput(self) -> None:
+        result = throughput.run(clients=[2], seconds=0.2, targets=["echo", "ckptd"])
+        well_formed(result, "throughput")
+        assert any(r.baseline_name == "echo" for r in result.rows)
+
+    def test_client_cost(self) -> None:
+        well_formed(client_cost.run(calls=20, alloc_calls=200), "client_cost")
+
+    def test_footprint(self) -> None:
+        well_formed(footprint.run(starts=1, connections=16, steps=50), "footprint")
+
+
+@pytest.mark.slow
+class TestMultiRankBenchmarks:
+    """The 2-rank DCP benchmarks run one save per variant."""
+
+    def test_stall(self) -> None:
+        result = stall.run(sizes=[1], saves=1, variants=["a", "b", "c", "d"])
+        well_formed(result, "stall")
+        assert {r.name.split(" ", 2)[2][:3] for r in result.rows} >= {"(a)", "(b)", "(c)", "(d)"}
+
+    def test_disk(self) -> None:
+        well_formed(disk.run(mb=1, saves=1), "disk")
+
+
+class TestRunner:
+    """``python -m bench`` writes the table, the JSON results and the chart."""
+
+    def test_main_writes_json_and_chart(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        def tiny(quick: bool) -> BenchResult:
+            return promotion.run(quick, files=[2, 20], reps=1)
+
+        monkeypatch.setitem(bench_main.BENCHMARKS, "promotion", tiny)
+        out, chart = tmp_path / "r.json", tmp_path / "c.png"
+        code = bench_main.main(["--only", "promotion", "--json", str(out), "--chart", str(chart)])
+        assert code == 0
+        document = json.loads(out.read_text())
+        assert document["mode"] == "quick"
+        assert {"nproc", "python", "torch", "date"} <= set(document["machine"])
+        assert document["rows"] and document["raw"]["promotion"]
+        assert "last done -> promoted" in capsys.readouterr().out
+        pytest.importorskip("matplotlib")
+        assert chart.stat().st_size > 0
