@@ -12,6 +12,7 @@ done. A save that fails never leaves ``FAILED``.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -134,6 +135,9 @@ class Ledger:
         self._outbox: list[JournalRecord] = []
         self._replaying = False
         self._unsettled = 0
+        # (when, key) of every lease and save deadline; stale entries are skipped, so
+        # finding and expiring the next deadline never scans all saves.
+        self._deadlines: list[tuple[float, SaveKey]] = []
 
     # -- queries ---------------------------------------------------------------------
 
@@ -154,14 +158,20 @@ class Ledger:
 
     def next_deadline(self) -> float | None:
         """The earliest instant at which :meth:`tick` has something to do."""
-        best: float | None = None
-        for save in self._saves.values():
-            if save.state is not SaveState.OPEN:
-                continue
-            for t in (save.deadline, *(r.lease_deadline for r in save.ranks.values())):
-                if t is not None and (best is None or t < best):
-                    best = t
-        return best
+        while self._deadlines and not self._live(*self._deadlines[0]):
+            heapq.heappop(self._deadlines)
+        return self._deadlines[0][0] if self._deadlines else None
+
+    def _arm(self, when: float, key: SaveKey) -> None:
+        """Remember that ``key`` has a deadline at ``when`` (entries go stale lazily)."""
+        heapq.heappush(self._deadlines, (when, key))
+
+    def _live(self, when: float, key: SaveKey) -> bool:
+        """Whether a heap entry is still one of ``key``'s current deadlines."""
+        save = self._saves.get(key)
+        if save is None or save.state is not SaveState.OPEN:
+            return False
+        return when == save.deadline or any(r.lease_deadline == when for r in save.ranks.values())
 
     # -- inputs from ranks -------------------------------------------------------------
 
@@ -205,6 +215,8 @@ class Ledger:
             save = SaveRecord(key=key, world_size=world_size, first_begin=now, deadline=deadline)
             self._saves[key] = save
             self._unsettled += 1
+            if deadline is not None:
+                self._arm(deadline, key)
         if save.world_size != world_size:
             raise RequestError(
                 ErrorCode.WORLD_SIZE_MISMATCH,
@@ -321,6 +333,7 @@ class Ledger:
             record.conn = None
             if save.state is SaveState.OPEN and record.state is RankState.WRITING:
                 record.lease_deadline = now + self._lease
+                self._arm(record.lease_deadline, key)
                 effects.append(
                     Emit("save.rank_disconnected", {**_ids(key, rank), "lease_s": self._lease})
                 )
@@ -328,9 +341,13 @@ class Ledger:
 
     def tick(self, now: float) -> list[Effect]:
         """Fail every save whose lease or deadline has passed at ``now``."""
+        due: set[SaveKey] = set()
+        while (when := self.next_deadline()) is not None and when <= now:
+            due.add(heapq.heappop(self._deadlines)[1])
         effects: list[Effect] = []
-        for save in list(self._saves.values()):
-            effects += self._expire(save, now)
+        if due:  # in the order the saves began, as a full scan would meet them
+            for save in [s for s in self._saves.values() if s.key in due]:
+                effects += self._expire(save, now)
         return effects
 
     def _expire(self, save: SaveRecord, now: float) -> list[Effect]:
@@ -508,6 +525,7 @@ class Ledger:
             for rank, record in sorted(save.ranks.items()):
                 if record.state is RankState.WRITING and record.conn is None:
                     record.lease_deadline = now + self._lease
+                    self._arm(record.lease_deadline, save.key)
                     effects.append(
                         Emit(
                             "save.rank_disconnected",
