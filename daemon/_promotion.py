@@ -100,7 +100,7 @@ class Promoter:
             await self._reject(key, f"verification failed: {exc}")
             return
         except PromotionError as exc:
-            await self._reject(key, f"promotion failed: {exc}")
+            await self._reject(key, f"promotion failed: {exc.strerror or exc}")
             return
         except RequestError as exc:  # the intent could not be journaled: do not rename
             await self._reject(key, f"promotion not started: {exc}")
