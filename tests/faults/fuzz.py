@@ -282,7 +282,7 @@ def run_fuzz_campaign(
             "bytes sent": fuzz.bytes,
             "hang-ups mid-line": fuzz.hang_ups,
             "subscribers cut off": dropped,
-            "asyncio reader-race tracebacks on stderr (anyio; see below)": races,
+            "asyncio reader-race tracebacks on stderr (see Findings)": races,
             "reply codes": dict(fuzz.codes.most_common()),
             "request.rejected events": daemon.counts["request.rejected"],
             "RSS after warm-up (MiB)": round(rss_start / 1024, 1),
