@@ -7,27 +7,13 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
+from orchestrator.protocol import default_socket_path
+
 from ._errors import ConfigError
 
 __all__ = ["Config", "RootConfig", "default_socket_path", "default_state_dir", "load_config"]
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")
-
-
-def default_socket_path(env: dict[str, str] | None = None) -> str:
-    """Where the daemon listens and clients connect when no path is given.
-
-    ``$CKPTD_SOCKET``, else ``$XDG_RUNTIME_DIR/ckptd.sock``, else ``/run/ckptd/ckptd.sock``
-    as root, else ``/tmp/ckptd-$UID/ckptd.sock``.
-    """
-    env = dict(os.environ) if env is None else env
-    if env.get("CKPTD_SOCKET"):
-        return env["CKPTD_SOCKET"]
-    if env.get("XDG_RUNTIME_DIR"):
-        return os.path.join(env["XDG_RUNTIME_DIR"], "ckptd.sock")
-    if os.getuid() == 0:
-        return "/run/ckptd/ckptd.sock"
-    return f"/tmp/ckptd-{os.getuid()}/ckptd.sock"
 
 
 def default_state_dir(env: dict[str, str] | None = None) -> str:

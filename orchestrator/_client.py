@@ -24,6 +24,7 @@ import msgspec
 
 from . import protocol as p
 from ._tracking import SaveHandle
+from .protocol import default_socket_path
 
 __all__ = ["Begun", "CheckpointClient", "DaemonError", "default_socket_path"]
 
@@ -32,17 +33,6 @@ log = logging.getLogger("orchestrator")
 _MAX_UNACKED: Final = 100_000
 _RETRY_UNAVAILABLE: Final = 0.5
 _BACKOFF_START: Final = 0.05
-
-
-def default_socket_path() -> str:
-    """The daemon's socket: ``$CKPTD_SOCKET``, else the daemon's default location."""
-    if os.environ.get("CKPTD_SOCKET"):
-        return os.environ["CKPTD_SOCKET"]
-    if os.environ.get("XDG_RUNTIME_DIR"):
-        return os.path.join(os.environ["XDG_RUNTIME_DIR"], "ckptd.sock")
-    if os.getuid() == 0:
-        return "/run/ckptd/ckptd.sock"
-    return f"/tmp/ckptd-{os.getuid()}/ckptd.sock"
 
 
 class DaemonError(RuntimeError):

@@ -13,6 +13,8 @@ reference for every op, field and error code.
 from __future__ import annotations
 
 import enum
+import os
+from collections.abc import Mapping
 from typing import Annotated, Any, Final, Literal
 
 import msgspec
@@ -49,6 +51,7 @@ __all__ = [
     "Wait",
     "WaitReply",
     "decode_request",
+    "default_socket_path",
     "encode",
 ]
 
@@ -57,6 +60,23 @@ MAX_LINE: Final = 1024 * 1024
 
 PROTOCOL_VERSION: Final = 1
 """Bumped on any incompatible change to a message's shape."""
+
+
+def default_socket_path(env: Mapping[str, str] | None = None) -> str:
+    """Where the daemon listens and clients connect when no path is given.
+
+    ``$CKPTD_SOCKET``, else ``$XDG_RUNTIME_DIR/ckptd.sock``, else ``/run/ckptd/ckptd.sock``
+    as root, else ``/tmp/ckptd-$UID/ckptd.sock``.
+    """
+    env = os.environ if env is None else env
+    if env.get("CKPTD_SOCKET"):
+        return env["CKPTD_SOCKET"]
+    if env.get("XDG_RUNTIME_DIR"):
+        return os.path.join(env["XDG_RUNTIME_DIR"], "ckptd.sock")
+    if os.getuid() == 0:
+        return "/run/ckptd/ckptd.sock"
+    return f"/tmp/ckptd-{os.getuid()}/ckptd.sock"
+
 
 _MAX_PATH = 4096
 _MAX_REASON = 4096
