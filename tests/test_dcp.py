@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,18 +18,12 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from daemon.cli import main
 from tests._dcp_worker import state_for
+from tests._ranks import free_port, pump_lines, start_rank
 from tests.conftest import REPO, DaemonProcess, LineClient
 
 pytestmark = pytest.mark.slow
 
 WORKER = REPO / "tests" / "_dcp_worker.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class Job:
@@ -41,40 +32,14 @@ class Job:
     def __init__(self, daemon: DaemonProcess, root: Path, world: int, *args: str) -> None:
         self.lines: queue.Queue[dict[str, Any]] = queue.Queue()
         self.seen: list[dict[str, Any]] = []
-        port = _free_port()
+        port = free_port()
         self.procs: list[subprocess.Popen[bytes]] = []
         self.pumps: list[threading.Thread] = []
         for rank in range(world):
-            env = {
-                **os.environ,
-                "RANK": str(rank),
-                "WORLD_SIZE": str(world),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "CKPTD_SOCKET": str(daemon.socket_path),
-                "PYTHONPATH": str(REPO),
-                "OMP_NUM_THREADS": "1",
-            }
-            proc = subprocess.Popen(
-                [sys.executable, str(WORKER), "--root", str(root), *args],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=REPO,
-            )
+            cmd = [str(WORKER), "--root", str(root), *args]
+            proc = start_rank(cmd, rank, world, port, daemon.socket_path)
             self.procs.append(proc)
-            pump = threading.Thread(target=self._pump, args=(proc, rank), daemon=True)
-            pump.start()
-            self.pumps.append(pump)
-
-    def _pump(self, proc: subprocess.Popen[bytes], rank: int) -> None:
-        assert proc.stdout is not None
-        with proc.stdout:
-            for raw in proc.stdout:
-                try:
-                    self.lines.put(json.loads(raw))
-                except ValueError:
-                    self.lines.put({"event": "_output", "rank": rank, "line": raw.decode()[:500]})
+            self.pumps.append(pump_lines(proc, rank, self.lines.put))
 
     def wait_line(self, event: str, timeout: float = 60.0, **match: Any) -> dict[str, Any]:
         """The next line from any rank with ``event`` and the given fields."""

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,16 +14,10 @@ from typing import Any
 
 import pytest
 
+from tests._ranks import free_port, pump_lines, start_rank
 from tests.conftest import REPO
 
 WORKER = REPO / "tests" / "automodel" / "_worker.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class RankJob:
@@ -38,44 +29,17 @@ class RankJob:
         self.upload_pids: set[int] = set()
         self.procs: list[subprocess.Popen[bytes]] = []
         self.pumps: list[threading.Thread] = []
-        port = _free_port()
+        port = free_port()
         for rank in range(world):
-            env = {
-                **os.environ,
-                "RANK": str(rank),
-                "WORLD_SIZE": str(world),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                # A daemon's socket, or a path where none listens (the reference mode).
-                "CKPTD_SOCKET": str(socket_path),
-                "PYTHONPATH": str(REPO),
-                "OMP_NUM_THREADS": "1",
-            }
-            proc = subprocess.Popen(
-                [sys.executable, str(WORKER), scenario, *args],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=REPO,
-            )
+            # socket_path: a daemon's socket, or a path where none listens (the reference mode).
+            proc = start_rank([str(WORKER), scenario, *args], rank, world, port, socket_path)
             self.procs.append(proc)
-            pump = threading.Thread(target=self._pump, args=(proc, rank), daemon=True)
-            pump.start()
-            self.pumps.append(pump)
+            self.pumps.append(pump_lines(proc, rank, self._put))
 
-    def _pump(self, proc: subprocess.Popen[bytes], rank: int) -> None:
-        assert proc.stdout is not None
-        with proc.stdout:
-            for raw in proc.stdout:
-                try:
-                    line = json.loads(raw)
-                except ValueError:
-                    line = {"event": "_output", "rank": rank, "line": raw.decode()[:500]}
-                if not isinstance(line, dict):
-                    line = {"event": "_output", "rank": rank, "line": repr(line)}
-                if line.get("upload_pid"):
-                    self.upload_pids.add(int(line["upload_pid"]))
-                self.lines.put(line)
+    def _put(self, line: dict[str, Any]) -> None:
+        if line.get("upload_pid"):
+            self.upload_pids.add(int(line["upload_pid"]))
+        self.lines.put(line)
 
     def wait_line(self, event: str, timeout: float = 90.0, **match: Any) -> dict[str, Any]:
         """The next line from any rank with ``event`` and the given fields."""

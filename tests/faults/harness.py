@@ -28,6 +28,7 @@ from typing import Any
 
 from daemon import verify_checkpoint
 from daemon._verify import MANIFEST_NAME
+from tests._ranks import free_port, pump_lines, start_rank
 from tests.conftest import REPO, DaemonProcess, LineClient
 
 __all__ = [
@@ -196,42 +197,15 @@ class Ranks:
         self.lines: queue.Queue[dict[str, Any]] = queue.Queue()
         self.log: list[dict[str, Any]] = []
         self._taken: set[int] = set()
-        port = _free_port()
+        port = free_port()
         self.procs: list[subprocess.Popen[bytes]] = []
         self._pumps: list[threading.Thread] = []
         for rank in range(world):
-            env = {
-                **os.environ,
-                "RANK": str(rank),
-                "WORLD_SIZE": str(world),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "CKPTD_SOCKET": str(socket_path),
-                "PYTHONPATH": str(REPO),
-                "OMP_NUM_THREADS": "1",
-                **(rank_env(rank) if rank_env else {}),
-            }
-            proc = subprocess.Popen(
-                [sys.executable, str(script), "--root", str(root), *args],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=REPO,
-            )
+            cmd = [str(script), "--root", str(root), *args]
+            extra = rank_env(rank) if rank_env else None
+            proc = start_rank(cmd, rank, world, port, socket_path, extra)
             self.procs.append(proc)
-            pump = threading.Thread(target=self._pump, args=(proc, rank), daemon=True)
-            pump.start()
-            self._pumps.append(pump)
-
-    def _pump(self, proc: subprocess.Popen[bytes], rank: int) -> None:
-        assert proc.stdout is not None
-        with proc.stdout:
-            for raw in proc.stdout:
-                try:
-                    line = json.loads(raw)
-                except ValueError:
-                    line = {"event": "_output", "rank": rank, "line": raw.decode()[:500]}
-                self.lines.put(line)
+            self._pumps.append(pump_lines(proc, rank, self.lines.put))
 
     def drain(self) -> list[dict[str, Any]]:
         """Every line the ranks printed so far, without waiting."""
@@ -285,15 +259,6 @@ class Ranks:
     def output(self) -> str:
         """The ranks' non-JSON output (tracebacks), for failure messages."""
         return "".join(x["line"] for x in self.drain() if x.get("event") == "_output")[-3000:]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 # What asyncio's default exception handler prints when anyio's raw UNIX socket stream
