@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._client import Begun, CheckpointClient, DaemonError, default_socket_path
+from ._client import Begun, CheckpointClient, DaemonError, PendingBegin, default_socket_path
 from ._tracking import SaveHandle, files_from_metadata
 from .protocol import FileEntry
 
@@ -19,6 +19,7 @@ __all__ = [
     "CheckpointClient",
     "DaemonError",
     "FileEntry",
+    "PendingBegin",
     "SaveHandle",
     "async_save",
     "checkpoint_group",

@@ -2,9 +2,13 @@
 
 A background thread runs a small asyncio loop that owns the socket, reconnects with
 backoff and re-sends what the daemon has not acknowledged. Calls from the training
-thread only hand a message to that loop: ``done`` and ``fail`` cost microseconds, and
-``begin`` waits for its acknowledgement at most ``begin_timeout`` seconds (not at all
-while the daemon is known to be down).
+thread only append a message to a queue: a relay thread wakes the loop, so the caller
+never waits for another thread's turn (a wake-up through the loop's self-pipe releases
+the GIL to the woken thread, which costs the caller tens of microseconds). ``done``,
+``fail`` and :meth:`CheckpointClient.track` cost microseconds; an acknowledged
+``begin`` waits for the daemon at most ``begin_timeout`` seconds (not at all while the
+daemon is known to be down), and :class:`PendingBegin` lets a save call overlap that
+wait with its own work.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import concurrent.futures
 import itertools
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import Iterable
@@ -26,7 +31,7 @@ from . import protocol as p
 from ._tracking import SaveHandle
 from .protocol import default_socket_path
 
-__all__ = ["Begun", "CheckpointClient", "DaemonError", "default_socket_path"]
+__all__ = ["Begun", "CheckpointClient", "DaemonError", "PendingBegin", "default_socket_path"]
 
 log = logging.getLogger("orchestrator")
 
@@ -69,6 +74,85 @@ class _Outgoing:
     line: bytes = b""
 
 
+@dataclass(frozen=True, slots=True)
+class _Barrier:
+    """Resolves ``future`` once everything queued before it is acknowledged."""
+
+    future: concurrent.futures.Future[None]
+
+
+class PendingBegin:
+    """A ``begin`` sent to the daemon whose acknowledgement may still be on its way.
+
+    :attr:`path` is known at once when the client has learned the root's layout from an
+    earlier acknowledged ``begin``; :meth:`result` waits for the acknowledgement.
+    """
+
+    def __init__(
+        self,
+        client: CheckpointClient,
+        step: int,
+        future: concurrent.futures.Future[dict[str, Any]],
+        path: str | None,
+        fallback: str,
+    ) -> None:
+        self._client = client
+        self._step = step
+        self._future = future
+        self._path = path
+        self._fallback = fallback
+        self._lock = threading.Lock()
+        self._begun: Begun | None = None
+
+    @property
+    def path(self) -> str:
+        """Directory to write the step into (waits for the acknowledgement if unknown)."""
+        return self._path if self._path is not None else self.result().path
+
+    def result(self) -> Begun:
+        """The daemon's answer, waiting for it at most the client's ``begin_timeout``.
+
+        Never raises: an unreachable daemon, a timeout or a refusal give a
+        :class:`Begun` that is not acknowledged (the refusal is logged when it arrives).
+        """
+        with self._lock:  # the training and the upload thread may both ask
+            if self._begun is None:
+                self._begun = self._wait()
+            return self._begun
+
+    def _wait(self) -> Begun:
+        client = self._client
+        fallback = self._path or self._fallback
+        if not self._future.done():
+            client._attempted.wait(client.begin_timeout)
+            if not client.connected:
+                return Begun(path=fallback, acknowledged=False)
+        try:
+            reply = self._future.result(timeout=client.begin_timeout)
+        except concurrent.futures.TimeoutError:
+            log.warning(
+                "ckptd: begin for step %s not acknowledged within %ss",
+                self._step,
+                client.begin_timeout,
+            )
+            return Begun(path=fallback, acknowledged=False)
+        except DaemonError:
+            return Begun(path=fallback, acknowledged=False)
+        if not reply.get("ok"):
+            return Begun(fallback, False, msgspec.convert(reply["error"], p.ErrorInfo))
+        path = str(reply["path"])
+        if self._path is not None and path != self._path:
+            log.warning(
+                "ckptd: step %s was written into %s but the daemon expects %s; "
+                "it will not be promoted",
+                self._step,
+                self._path,
+                path,
+            )
+            return Begun(path=self._path, acknowledged=False)
+        return Begun(path=path, acknowledged=True)
+
+
 class CheckpointClient:
     """Connection from one training process to its node's daemon.
 
@@ -98,6 +182,8 @@ class CheckpointClient:
         self._unacked: dict[int, _Outgoing] = {}
         self._saves: dict[tuple[str, int, int], int] = {}
         self._handles: set[SaveHandle] = set()
+        self._layouts: dict[str, tuple[str, str]] = {}  # root -> (directory, tmp prefix)
+        self._outbox: queue.SimpleQueue[_Outgoing | _Barrier | None] = queue.SimpleQueue()
         self._writer: asyncio.StreamWriter | None = None
         self._connected = threading.Event()
         self._attempted = threading.Event()
@@ -107,6 +193,10 @@ class CheckpointClient:
         self._acked = asyncio.Event()
         self._thread = threading.Thread(target=self._run, name="ckptd-client", daemon=True)
         self._thread.start()
+        self._relay_thread = threading.Thread(
+            target=self._relay, name="ckptd-client-relay", daemon=True
+        )
+        self._relay_thread.start()
 
     # -- training-thread API -----------------------------------------------------------
 
@@ -116,7 +206,7 @@ class CheckpointClient:
         return self._connected.is_set()
 
     def begin(self, root: str, step: int, rank: int, world_size: int) -> Begun:
-        """Tell the daemon this rank is about to write ``step`` under ``root``.
+        """Tell the daemon this rank is about to write ``step`` under ``root``, and wait.
 
         Waits for the acknowledgement up to ``begin_timeout`` (not at all while the
         daemon is unreachable). Whatever happens, the begin is remembered and re-sent
@@ -125,50 +215,52 @@ class CheckpointClient:
         Returns:
             Where to write, and whether the daemon acknowledged.
         """
+        return self.begin_nowait(root, step, rank, world_size).result()
+
+    def begin_nowait(self, root: str, step: int, rank: int, world_size: int) -> PendingBegin:
+        """Send ``begin`` and return at once; :meth:`PendingBegin.result` waits for it.
+
+        The connection is one ordered stream, so the daemon sees this ``begin`` before
+        any later ``done`` of the same step whether or not anyone waits for it.
+        """
         key = (root, step, rank)
         with self._lock:
             self._saves.setdefault(key, world_size)
+            layout = self._layouts.get(root)
         future = self._submit(p.Begin(id=0, root=root, step=step, rank=rank, world_size=world_size))
-        fallback = os.path.join(root, f"tmp_step_{step}")
-        self._attempted.wait(self.begin_timeout)
-        if not self._connected.is_set():
-            return Begun(path=fallback, acknowledged=False)
-        try:
-            reply = future.result(timeout=self.begin_timeout)
-        except concurrent.futures.TimeoutError:
-            log.warning(
-                "ckptd: begin for step %s not acknowledged within %ss", step, self.begin_timeout
-            )
-            return Begun(path=fallback, acknowledged=False)
-        if not reply.get("ok"):
-            error = msgspec.convert(reply["error"], p.ErrorInfo)
-            log.warning(
-                "ckptd refused step %s of %s (%s): %s; it will not be promoted",
-                step,
-                root,
-                error.code,
-                error.message,
-            )
-            return Begun(path=fallback, acknowledged=False, error=error)
-        return Begun(path=str(reply["path"]), acknowledged=True)
+        path = None if layout is None else os.path.join(layout[0], f"{layout[1]}{step}")
+        return PendingBegin(self, step, future, path, os.path.join(root, f"tmp_step_{step}"))
 
     def done(self, root: str, step: int, rank: int, files: Iterable[p.FileEntry] = ()) -> None:
         """Report that this rank's writes for ``step`` have all landed. Never blocks."""
-        self._submit(p.Done(id=0, root=root, step=step, rank=rank, files=list(files)))
+        self._post(p.Done(id=0, root=root, step=step, rank=rank, files=list(files)), None)
 
     def fail(self, root: str, step: int, rank: int, reason: str) -> None:
         """Report that this rank's save of ``step`` failed. Never blocks."""
-        self._submit(p.Fail(id=0, root=root, step=step, rank=rank, reason=reason[:4000]))
+        self._post(p.Fail(id=0, root=root, step=step, rank=rank, reason=reason[:4000]), None)
 
-    def save(self, root: str, step: int, rank: int, world_size: int) -> SaveHandle:
+    def save(
+        self, root: str, step: int, rank: int, world_size: int, *, wait: bool = True
+    ) -> SaveHandle:
         """Begin a save and return the handle its futures are added to.
 
         Call this before the save starts writing; add each future with
         :meth:`SaveHandle.add`, then :meth:`SaveHandle.seal`.
+
+        Args:
+            root: The checkpoint root.
+            step: The step.
+            rank: This rank.
+            world_size: Number of ranks writing the step.
+            wait: Wait for the daemon's acknowledgement before returning. With False,
+                the caller overlaps the wait with its own work and reads
+                :attr:`SaveHandle.begun` before its save call returns.
         """
-        handle = SaveHandle(self, root, step, rank, self.begin(root, step, rank, world_size))
+        handle = SaveHandle(self, root, step, rank, self.begin_nowait(root, step, rank, world_size))
         with self._lock:
             self._handles.add(handle)
+        if wait:
+            _ = handle.begun  # waits for the acknowledgement
         return handle
 
     def wait_saves(self, timeout: float | None = None) -> bool:
@@ -221,10 +313,14 @@ class CheckpointClient:
                 the shard files from the save's metadata.
             group_rank: This rank in the checkpoint process group (default ``rank``).
 
+        The ``begin`` is sent, not awaited: the save call ``futures`` came from has
+        already returned, so there is nothing left for an acknowledgement to gate, and
+        the daemon reads this connection in order. A refusal is logged when it arrives.
+
         Returns:
             The sealed handle.
         """
-        handle = self.save(root, step, rank, world_size)
+        handle = self.save(root, step, rank, world_size, wait=False)
         for future in futures if isinstance(futures, list | tuple) else [futures]:
             handle.add(future, dcp_dir=dcp_dir, group_rank=group_rank)
         handle.seal()
@@ -279,16 +375,17 @@ class CheckpointClient:
         """
         if self._closed or not self._thread.is_alive():
             return not self._unacked
-        future = asyncio.run_coroutine_threadsafe(self._drained(), self._loop)
+        barrier: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._outbox.put(_Barrier(barrier))  # behind everything queued so far
         try:
-            future.result(timeout)
+            barrier.result(timeout)
         except concurrent.futures.TimeoutError:
-            future.cancel()
+            barrier.cancel()
             return False
         return True
 
     def close(self, timeout: float | None = None) -> None:
-        """Finish reporting, then close the connection and stop the background thread.
+        """Finish reporting, then close the connection and stop the background threads.
 
         Waits for every unsettled save (see :meth:`wait_saves`), then, while the daemon
         is reachable, for its acknowledgements (at most 5 s).
@@ -303,6 +400,8 @@ class CheckpointClient:
         if self._connected.is_set():
             self.flush(5.0)
         self._closed = True
+        self._outbox.put(None)
+        self._relay_thread.join(timeout=5.0)
         self._loop.call_soon_threadsafe(self._shutdown)
         self._thread.join(timeout=5.0)
 
@@ -316,14 +415,40 @@ class CheckpointClient:
 
     def _submit(self, request: p.Request) -> concurrent.futures.Future[dict[str, Any]]:
         future: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
-        rid = next(self._ids)
-        outgoing = _Outgoing(msgspec.structs.replace(request, id=rid), future)
-        outgoing.line = p.encode(outgoing.message)
-        if self._closed:
-            future.set_exception(DaemonError("closed", "the client is closed"))
-            return future
-        self._loop.call_soon_threadsafe(self._send, rid, outgoing)
+        self._post(request, future)
         return future
+
+    def _post(
+        self, request: p.Request, future: concurrent.futures.Future[dict[str, Any]] | None
+    ) -> None:
+        # Runs on the caller's thread: no encoding, no wake-up, nothing that releases the
+        # GIL. The relay thread hands the message to the loop.
+        if self._closed:
+            if future is not None:
+                future.set_exception(DaemonError("closed", "the client is closed"))
+            else:
+                log.warning("ckptd: %s after close() is not sent", type(request).__name__)
+            return
+        self._outbox.put(_Outgoing(request, future))
+
+    def _relay(self) -> None:
+        # One wake-up of the loop per burst of messages, paid by this thread.
+        while True:
+            item = self._outbox.get()
+            batch: list[_Outgoing | _Barrier] = []
+            while item is not None:
+                batch.append(item)
+                try:
+                    item = self._outbox.get_nowait()
+                except queue.Empty:
+                    break
+            if batch:
+                try:
+                    self._loop.call_soon_threadsafe(self._send_batch, batch)
+                except RuntimeError:  # the loop is gone: nothing more can be sent
+                    return
+            if item is None:
+                return
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -338,19 +463,29 @@ class CheckpointClient:
     def _shutdown(self) -> None:
         self._main.cancel()
 
-    async def _drained(self) -> None:
+    async def _drained(self, barrier: concurrent.futures.Future[None]) -> None:
         while any(isinstance(o.message, p.Begin | p.Done | p.Fail) for o in self._unacked.values()):
             self._acked = asyncio.Event()
             await self._acked.wait()
+        if not barrier.done():
+            barrier.set_result(None)
 
-    def _send(self, rid: int, outgoing: _Outgoing) -> None:
-        self._unacked[rid] = outgoing
-        if len(self._unacked) > _MAX_UNACKED:
+    def _send_batch(self, batch: list[_Outgoing | _Barrier]) -> None:
+        lines: list[bytes] = []
+        for item in batch:
+            if isinstance(item, _Barrier):
+                self._loop.create_task(self._drained(item.future))
+                continue
+            item.message = msgspec.structs.replace(item.message, id=next(self._ids))
+            item.line = p.encode(item.message)
+            self._unacked[item.message.id] = item
+            lines.append(item.line)
+        while len(self._unacked) > _MAX_UNACKED:
             dropped = self._unacked.pop(next(iter(self._unacked)))
             if dropped.future is not None and not dropped.future.done():
                 dropped.future.set_exception(DaemonError("dropped", "too many unacknowledged"))
-        if self._writer is not None:
-            self._writer.write(outgoing.line)
+        if self._writer is not None and lines:
+            self._writer.write(b"".join(lines))
 
     async def _connect_forever(self) -> None:
         backoff = _BACKOFF_START
@@ -449,9 +584,11 @@ class CheckpointClient:
         ):
             with self._lock:  # settled, or refused: nothing left to re-send after a reconnect
                 self._saves.pop((message.root, message.step, message.rank), None)
-        if not reply.get("ok") and isinstance(message, p.Done | p.Fail):
+        if isinstance(message, p.Begin) and reply.get("ok"):
+            self._learn_layout(message, reply.get("path"))
+        if not reply.get("ok") and isinstance(message, p.Begin | p.Done | p.Fail):
             log.warning(
-                "ckptd refused %s for step %s of %s: %s: %s",
+                "ckptd refused %s for step %s of %s (%s): %s; it will not be promoted",
                 type(message).__name__.lower(),
                 message.step,
                 message.root,
@@ -460,6 +597,17 @@ class CheckpointClient:
             )
         if outgoing.future is not None and not outgoing.future.done():
             outgoing.future.set_result(reply)
+
+    def _learn_layout(self, begin: p.Begin, path: object) -> None:
+        # Where this root's steps go, so later begins need not wait to know the path.
+        if not isinstance(path, str):
+            return
+        directory, name = os.path.split(path)
+        suffix = str(begin.step)
+        layout = (directory, name[: -len(suffix)])
+        if name.endswith(suffix) and self._layouts.get(begin.root) != layout:
+            with self._lock:  # learned once; again only if the daemon's layout changed
+                self._layouts[begin.root] = layout
 
     def _resend_one(self, rid: int) -> None:
         outgoing = self._unacked.get(rid)

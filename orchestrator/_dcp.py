@@ -9,12 +9,15 @@ from concurrent.futures import Future, wait
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 
 from ._client import CheckpointClient
 from ._tracking import SaveHandle, describe
 
-__all__ = ["async_save", "checkpoint_group", "default_client"]
+__all__ = ["AfterBeginPlanner", "async_save", "checkpoint_group", "default_client"]
 
 log = logging.getLogger("orchestrator")
 
@@ -63,10 +66,11 @@ def async_save(
 ) -> Any:
     """Start ``dcp.async_save`` of ``state_dict`` into step ``step`` and let ckptd promote it.
 
-    Begins the save with the daemon (acknowledged before writing starts), calls
-    ``dcp.async_save`` on a separate gloo group, and reports ``done`` with this rank's
-    shard files (or ``fail``) when the upload completes. The training thread never waits
-    for the upload. All ranks of the group must call it.
+    Sends ``begin`` to the daemon, calls ``dcp.async_save`` on a separate gloo group,
+    and returns once the daemon has acknowledged the ``begin`` (the wait overlaps DCP's
+    staging and planning, so it usually costs nothing). ``done`` with this rank's shard
+    files (or ``fail``) is reported when the upload completes; the training thread
+    never waits for the upload. All ranks of the group must call it.
 
     A step written by several calls (model and optimizer in their own DCP directories)
     must share one handle, or the daemon could promote the step after the first part::
@@ -102,10 +106,20 @@ def async_save(
         # group. Waiting is the only safe order (as torchtitan and NeMo-RL do).
         log.warning("ckptd: previous %r upload still running; waiting for it", subdir or ".")
         _wait_quietly(previous)
+    # The begin's acknowledgement is awaited after DCP's own work in this call, which it
+    # overlaps, and before the call returns. DCP's upload thread may start writing
+    # sooner: a planner that waits for the acknowledgement first keeps every write after
+    # it. (A caller's own planner, or an upload process the planner is pickled into,
+    # gets the plain order: wait, then save.)
+    gate = "planner" not in kwargs and (
+        kwargs.get("async_checkpointer_type") != AsyncCheckpointerType.PROCESS
+    )
     seal = handle is None
     if handle is None:
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        handle = (client or default_client()).save(root, step, rank, world_size)
+        handle = (client or default_client()).save(root, step, rank, world_size, wait=not gate)
+    if gate:
+        kwargs["planner"] = AfterBeginPlanner(handle)
     checkpoint_id = os.path.join(handle.path, subdir) if subdir else handle.path
     try:
         result = dcp_async_save(
@@ -118,7 +132,34 @@ def async_save(
     handle.add(result, dcp_dir=subdir or ".", group_rank=dist.get_rank(group))
     if seal:
         handle.seal()
+        _ = handle.begun
     return result
+
+
+class AfterBeginPlanner(DefaultSavePlanner):
+    """DCP's default save planner, waiting first for the step's ``begin`` acknowledgement.
+
+    DCP sets the planner up on the upload thread before it creates the directory or
+    writes anything, so no byte of the save lands before the daemon has recorded it
+    (and, for a retried step, moved the failed attempt's files aside).
+
+    Args:
+        handle: The save whose ``begin`` must be acknowledged first.
+    """
+
+    def __init__(self, handle: SaveHandle) -> None:
+        super().__init__()
+        self._handle = handle
+
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        storage_meta: StorageMeta | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        """Wait for the acknowledgement (bounded by the client), then set up as DCP does."""
+        _ = self._handle.begun
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
 
 
 def _wait_quietly(future: Future[Any]) -> None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from .protocol import FileEntry
 
 if TYPE_CHECKING:
-    from ._client import Begun, CheckpointClient
+    from ._client import Begun, CheckpointClient, PendingBegin
 
 __all__ = ["SaveHandle", "describe", "files_from_metadata"]
 
@@ -72,13 +72,13 @@ class SaveHandle:
     """
 
     def __init__(
-        self, client: CheckpointClient, root: str, step: int, rank: int, begun: Begun
+        self, client: CheckpointClient, root: str, step: int, rank: int, begun: PendingBegin
     ) -> None:
         self._client = client
         self.root = root
         self.step = step
         self.rank = rank
-        self.begun = begun
+        self._begun = begun
         self._lock = threading.Lock()
         self._outstanding = 0
         self._sealed = False
@@ -89,7 +89,15 @@ class SaveHandle:
     @property
     def path(self) -> str:
         """Directory this step is written into (``ROOT/tmp_step_N``)."""
-        return self.begun.path
+        return self._begun.path
+
+    @property
+    def begun(self) -> Begun:
+        """The daemon's answer to this save's ``begin``.
+
+        Waits for it at most the client's ``begin_timeout`` (the first time only).
+        """
+        return self._begun.result()
 
     def add(
         self, future: Any, *, dcp_dir: str | None = None, group_rank: int | None = None

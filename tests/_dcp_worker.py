@@ -73,6 +73,39 @@ class HeldWriter(FileSystemWriter):
         super().finish(metadata, results)
 
 
+class ReportingWriter(FileSystemWriter):
+    """A real FileSystemWriter that says when DCP sets it up (before any directory/write)."""
+
+    def __init__(self, path: str, rank: int, step: int) -> None:
+        super().__init__(path)
+        self._rank, self._step = rank, step
+
+    def set_up_storage_writer(self, *args: Any, **kwargs: Any) -> None:
+        say(event="writer_setup", rank=self._rank, step=self._step)
+        super().set_up_storage_writer(*args, **kwargs)
+
+
+def _plain_save(client: orchestrator.CheckpointClient, args: argparse.Namespace) -> None:
+    """One ``orchestrator.async_save`` per step with no handle: it begins and seals."""
+    rank = dist.get_rank()
+    uploads = []
+    for i, step in enumerate(int(s) for s in args.steps.split(",")):
+        if i and args.gate:  # the first save teaches the client the root's layout
+            _gate(args.gate, rank, f"step{step}")
+        say(event="saving", rank=rank, step=step)
+        result = orchestrator.async_save(
+            state_for(rank, step, args.numel),
+            root=args.root,
+            step=step,
+            client=client,
+            storage_writer=ReportingWriter(args.root, rank, step),
+        )
+        say(event="save_returned", rank=rank, step=step)
+        uploads.append(getattr(result, "upload_completion", result))
+    for upload in uploads:
+        upload.result()
+
+
 def _write_extra(
     handle: orchestrator.SaveHandle, rank: int, args: argparse.Namespace
 ) -> Future[None]:
@@ -107,11 +140,19 @@ def main() -> None:
     parser.add_argument("--gate", default="")
     parser.add_argument("--stager", action="store_true", help="use a CPU-safe DefaultStager")
     parser.add_argument("--parts", default="", help="DCP subdirs per step, e.g. model,optim")
+    parser.add_argument("--plain", action="store_true", help="async_save without a handle")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     client = orchestrator.CheckpointClient(begin_timeout=10.0)
+    if args.plain:
+        _plain_save(client, args)
+        dist.barrier()
+        say(event="finished", rank=rank, world=world)
+        client.close()
+        dist.destroy_process_group()
+        return
     handles = []
     parts = args.parts.split(",") if args.parts else [""]
     for step in [int(s) for s in args.steps.split(",")]:

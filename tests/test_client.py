@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 
-from orchestrator import CheckpointClient, FileEntry
+from orchestrator import Begun, CheckpointClient, FileEntry
 from tests.conftest import REPO, DaemonProcess, LineClient
 
 
@@ -214,6 +215,91 @@ class TestTrack:
             outcome = client.wait(str(root), 5, 30.0)
         assert outcome.state == "failed"
         assert daemon.wait_event("checkpoint.failed")["step"] == 5
+
+
+@pytest.fixture
+def stopped(
+    daemon_factory: Callable[..., DaemonProcess],
+) -> Iterator[Callable[[DaemonProcess], None]]:
+    """SIGSTOP a daemon (it accepts nothing, answers nothing); SIGCONT it at teardown."""
+    paused: list[DaemonProcess] = []
+
+    def stop(daemon: DaemonProcess) -> None:
+        assert daemon.proc is not None
+        daemon.proc.send_signal(signal.SIGSTOP)
+        paused.append(daemon)
+
+    yield stop
+    for daemon in paused:
+        if daemon.proc is not None and daemon.proc.poll() is None:
+            daemon.proc.send_signal(signal.SIGCONT)
+
+
+class TestBeginNotAwaited:
+    """``track()`` and ``begin_nowait`` send ``begin`` without waiting for the daemon."""
+
+    def test_track_returns_before_the_daemon_answers(
+        self,
+        daemon_factory: Callable[..., DaemonProcess],
+        root: Path,
+        stopped: Callable[[DaemonProcess], None],
+    ) -> None:
+        daemon = daemon_factory([root])
+        with CheckpointClient(str(daemon.socket_path), begin_timeout=60.0) as client:
+            assert client.ping(10.0)
+            stopped(daemon)
+            future: Future[None] = Future()
+            handle = client.track(str(root), 2, 0, 1, future)
+            # The daemon is stopped, so no acknowledgement can have arrived: track()
+            # returned without one (it used to wait up to begin_timeout, here 60 s).
+            assert client.ping(0.2) is False
+            assert daemon.proc is not None
+            daemon.proc.send_signal(signal.SIGCONT)
+            assert handle.begun.acknowledged
+            (root / "tmp_step_2").mkdir()
+            future.set_result(None)
+            assert client.wait(str(root), 2, 30.0).state == "promoted"
+
+    def test_refusal_is_logged_when_it_arrives(
+        self,
+        daemon_factory: Callable[..., DaemonProcess],
+        root: Path,
+        tmp_path: Path,
+        caplog: pytest.LogCaptureFixture,
+    ) -> None:
+        caplog.set_level(logging.WARNING, logger="orchestrator")
+        daemon = daemon_factory([root])
+        elsewhere = tmp_path / "not-a-root"
+        upload: Future[None] = Future()
+        upload.set_result(None)
+        with CheckpointClient(str(daemon.socket_path)) as client:
+            handle = client.track(str(elsewhere), 1, 0, 1, upload)
+            begun = handle.begun
+            assert client.flush(10.0)
+        assert not begun.acknowledged
+        assert begun.error is not None and begun.error.code == "root_not_configured"
+        refusals = [r.getMessage() for r in caplog.records if "refused begin" in r.getMessage()]
+        assert len(refusals) == 1 and str(elsewhere) in refusals[0]
+
+    def test_path_known_without_waiting_once_the_layout_is_learned(
+        self,
+        daemon_factory: Callable[..., DaemonProcess],
+        root: Path,
+        tmp_path: Path,
+        stopped: Callable[[DaemonProcess], None],
+    ) -> None:
+        config = tmp_path / "ckptd.toml"
+        config.write_text(f'[[roots]]\npath = "{root}"\ntmp_prefix = "incoming-"\n')
+        daemon = daemon_factory([], "--config", str(config))
+        with CheckpointClient(str(daemon.socket_path), begin_timeout=60.0) as client:
+            first = client.begin(str(root), 1, 0, 2)  # waits: learns where this root writes
+            assert first == Begun(str(root / "incoming-1"), acknowledged=True)
+            stopped(daemon)
+            pending = client.begin_nowait(str(root), 2, 0, 2)
+            assert pending.path == str(root / "incoming-2")  # no answer needed
+            assert daemon.proc is not None
+            daemon.proc.send_signal(signal.SIGCONT)
+            assert pending.result() == Begun(str(root / "incoming-2"), acknowledged=True)
 
 
 class TestNoTorchInDaemon:

@@ -201,6 +201,46 @@ class TestPromotionWaitsForEveryRank:
         assert main(["verify", str(root / "step_3")]) == 0
 
 
+class TestBeginBeforeWrites:
+    """``orchestrator.async_save`` overlaps the ``begin`` round trip, never the writes."""
+
+    def test_no_write_before_the_daemon_answers(
+        self,
+        daemon_factory: Callable[..., DaemonProcess],
+        root: Path,
+        jobs: Callable[..., Job],
+        short_dir: Path,
+    ) -> None:
+        daemon = daemon_factory([root])
+        assert daemon.proc is not None
+        gate = short_dir / "gate"
+        os.mkfifo(gate)
+        job = jobs(daemon, root, 2, "--plain", "--steps", "1,2", "--gate", str(gate))
+        daemon.wait_event("checkpoint.promoted", timeout=120, match=lambda e: e["step"] == 1)
+        for rank in range(2):
+            job.wait_line("held", rank=rank, at="step2")
+        # The client knows where step 2 goes (learned from step 1), so nothing waits for
+        # the daemon before DCP starts; the daemon now answers nothing.
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            _release(gate)
+            for rank in range(2):
+                job.wait_line("saving", rank=rank, step=2)
+            # DCP's upload thread sets its writer up within milliseconds unless it waits
+            # for the begin's acknowledgement (the client gives up after 10 s).
+            with pytest.raises(AssertionError, match="no writer_setup"):
+                job.wait_line("writer_setup", timeout=3.0, step=2)
+            assert not (root / "tmp_step_2").exists()
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        for rank in range(2):
+            job.wait_line("writer_setup", rank=rank, step=2)
+            job.wait_line("save_returned", rank=rank, step=2)
+        assert job.wait() == [0, 0]
+        promoted = daemon.wait_event("checkpoint.promoted", match=lambda e: e["step"] == 2)
+        _assert_loads(Path(promoted["path"]), 2, 2)
+
+
 class TestRankDeath:
     """A rank killed mid-save: never promoted, the event says why, the next step promotes."""
 
