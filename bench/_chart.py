@@ -14,7 +14,7 @@ _VARIANTS = {
     "b": "(b) NeMo-RL",
     "c": "(c) bare async",
     "d": "(d) ckptd",
-    "e": "(e) ckptd*",
+    "e": "(e) begin first",
 }
 
 

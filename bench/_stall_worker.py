@@ -9,10 +9,11 @@ alike, and prints one JSON line per save:
 - ``b``: NeMo-RL's pattern: ``dcp.async_save``, wait for the upload, barrier, rank 0
   renames (the training thread is blocked until the rename).
 - ``c``: bare ``dcp.async_save``: the floor (no daemon, no promotion).
-- ``d``: ckptd: ``orchestrator.async_save`` (begin, ``dcp.async_save``, done from the
-  upload callback); the daemon promotes.
-- ``e``: as ``d`` with :class:`bench._pipelined.PipelinedClient` (``begin`` not awaited):
-  the prototype of the recommended client change.
+- ``d``: ckptd: ``orchestrator.async_save`` (begin sent, ``dcp.async_save``, the
+  begin's acknowledgement awaited, done from the upload callback); the daemon promotes.
+- ``e``: as ``d``, with the acknowledgement awaited *before* ``dcp.async_save``
+  (``client.save()`` then ``async_save(handle=...)``): what overlapping the round trip
+  with DCP's own work saves.
 - ``disk``: rank 0 writes the same volume as both ranks' shards with ``write`` and one
   ``fsync`` (the disk's sequential bandwidth, for :mod:`bench.disk`).
 
@@ -37,7 +38,6 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
 import orchestrator
-from bench._pipelined import PipelinedClient
 
 _CHUNK = 8 * 1024 * 1024
 
@@ -64,19 +64,6 @@ def _stamp(holder: dict[str, float], key: str) -> Any:
         holder[key] = time.time()
 
     return callback
-
-
-def _timed(func: Any, into: list[float]) -> Any:
-    """``func``, recording each call's duration into ``into`` (the begin's share of (d))."""
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return func(*args, **kwargs)
-        finally:
-            into.append(time.perf_counter() - start)
-
-    return timed
 
 
 def _disk_baseline(path: str, nbytes: int) -> float:
@@ -122,11 +109,9 @@ def main() -> None:
     if "d" in variants:
         clients["d"] = orchestrator.CheckpointClient(begin_timeout=10.0)
     if "e" in variants:
-        clients["e"] = PipelinedClient(begin_timeout=10.0)
-    begin_s: list[float] = []
+        clients["e"] = orchestrator.CheckpointClient(begin_timeout=10.0)
     for client in clients.values():
         client.ping(10.0)  # connected before the first timed save
-        client.save = _timed(client.save, begin_s)  # type: ignore[method-assign]
     say(event="ready", rank=rank, bytes=nbytes)
 
     step = 0
@@ -169,18 +154,22 @@ def main() -> None:
                 )
                 blocked = time.perf_counter() - start
             else:  # d, e: ckptd
-                begin_s.clear()
+                handle = None
+                if variant == "e":
+                    handle = clients[variant].save(root, step, rank, world)
+                    times["begin_s"] = time.perf_counter() - start
                 resp = orchestrator.async_save(
                     state,
                     root=root,
                     step=step,
                     client=clients[variant],
+                    handle=handle,
                     process_group=group,
                     async_stager=stager,
                 )
+                if handle is not None:
+                    handle.seal()
                 blocked = time.perf_counter() - start
-            if variant in ("d", "e"):
-                times["begin_s"] = sum(begin_s)
             if variant in ("c", "d", "e"):
                 resp.staging_completion.add_done_callback(_stamp(times, "staged"))
                 resp.upload_completion.add_done_callback(_stamp(times, "landed"))

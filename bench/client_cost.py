@@ -3,23 +3,23 @@
 A real :class:`orchestrator.CheckpointClient` connected to a real daemon. Timed with
 ``time.perf_counter_ns``, one call at a time:
 
-- ``track()``: what a trainer calls per save (``begin``, add the future, seal). The
-  ``begin`` waits for the daemon's acknowledgement, so it is timed twice: for a new step
-  (the daemon journals it: a ``write`` and an ``fsync``) and for a step already begun
-  (no journal write: the round trip alone).
-- ``track()`` with the prototype client whose ``begin`` is not awaited
-  (:class:`bench._pipelined.PipelinedClient`): the recommended change.
+- ``track()``: what a trainer calls per save after its save call returned (``begin``
+  sent, not awaited; add the future; seal), for a new step and for a step already begun.
+- ``begin()`` acknowledged, new step: the round trip ``orchestrator.async_save``
+  overlaps with DCP's own work (the daemon journals it: a ``write`` and an ``fsync``).
 - ``SaveHandle.add`` + ``seal`` on a begun handle: the client's own bookkeeping.
 - the done-callback: completing the upload future (``set_result`` with a DCP
   ``Metadata`` of 16 shards) runs it on the calling thread, as DCP's writer thread does:
-  it lists the rank's shard files and hands ``done`` to the client's I/O thread.
+  it lists the rank's shard files and queues ``done`` for the client's I/O thread.
 
 Baselines in the same run: ``Future.add_done_callback`` of a no-op plus nothing else
-(the floor of registering), and ``set_result`` on a future with a no-op callback.
-A third baseline, ``loop.call_soon_threadsafe`` into an idle asyncio loop thread, is the
-floor of handing a message to an I/O thread (the client's design). Allocation growth:
-``tracemalloc``'s traced size after each tenth of 100,000 iterations of ``track()`` +
-completing the future (flushed, ``gc`` run), last minus first.
+(the floor of registering), and ``set_result`` on a future with a no-op callback. Two
+more show the cost of a hand-off between threads: ``loop.call_soon_threadsafe`` into an
+idle asyncio loop thread (a wake-up through its self-pipe, which releases the GIL to the
+woken thread) and ``SimpleQueue.put`` to a thread blocked in ``get`` (the client's
+design: the caller keeps the GIL). Allocation growth: ``tracemalloc``'s traced size
+after each tenth of 100,000 iterations of ``track()`` + completing the future
+(flushed, ``gc`` run), last minus first.
 
     .venv/bin/python -m bench.client_cost [--full] [--calls 100000]
 """
@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import queue
 import threading
 import time
 import tracemalloc
@@ -40,7 +41,6 @@ from typing import Any
 from orchestrator import CheckpointClient
 
 from ._common import BenchResult, Daemon, Row, median, p99, print_table, scratch_dir
-from ._pipelined import PipelinedClient
 
 __all__ = ["run"]
 
@@ -61,6 +61,12 @@ def _metadata(shards: int = 16) -> Any:
 
 def _noop(_fut: Future[Any]) -> None:
     """A done-callback that does nothing (the baseline's)."""
+
+
+def _take_forever(inbox: queue.SimpleQueue[object]) -> None:
+    """Take items until ``None``: the thread a ``SimpleQueue.put`` hands off to."""
+    while inbox.get() is not None:
+        pass
 
 
 def _time_ns(func: Callable[[], object]) -> int:
@@ -84,8 +90,8 @@ def run(
     """Run benchmark 5.
 
     Args:
-        quick: 1,000 timed calls per case, 10,000 for allocation growth through the
-            prototype client; full: 10,000 timed calls, 100,000 through the real client.
+        quick: 1,000 timed calls per case, 10,000 for allocation growth; full: 10,000
+            timed calls, 100,000 for allocation growth.
         calls: Timed calls per case (overrides the mode).
         alloc_calls: Calls between the two allocation snapshots (default 100,000).
     """
@@ -100,25 +106,29 @@ def run(
         rootp = str(root)
         with Daemon(work, [root], keep_events=False) as daemon:
             client = CheckpointClient(daemon.socket, begin_timeout=10.0)
-            piped = PipelinedClient(daemon.socket, begin_timeout=10.0)
-            assert client.ping(10.0) and piped.ping(10.0)
+            assert client.ping(10.0)
             # World size 2 and only rank 0: the saves stay open and nothing is promoted.
             base_reg: list[float] = []
             base_set: list[float] = []
             handoff: list[float] = []
+            handoff_q: list[float] = []
             track_new: list[float] = []
             track_again: list[float] = []
-            track_piped: list[float] = []
+            begin_new: list[float] = []
             add_seal: list[float] = []
             callback: list[float] = []
             loop = asyncio.new_event_loop()
             looper = threading.Thread(target=loop.run_forever, daemon=True)
             looper.start()
+            inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+            taker = threading.Thread(target=_take_forever, args=(inbox,), daemon=True)
+            taker.start()
             for i in range(n):
                 fut: Future[Any] = Future()
                 base_reg.append(_time_ns(partial(fut.add_done_callback, _noop)) / 1000)
                 base_set.append(_time_ns(partial(fut.set_result, md)) / 1000)
                 handoff.append(_time_ns(partial(loop.call_soon_threadsafe, _noop, fut)) / 1000)
+                handoff_q.append(_time_ns(partial(inbox.put, fut)) / 1000)
                 # Each timed call starts with nothing queued for the daemon.
                 if i < new_steps:  # a new step: begin is journaled before it is acknowledged
                     client.flush(30.0)
@@ -126,16 +136,15 @@ def run(
                     track = partial(client.track, rootp, 1_000_000 + i, 0, 2, fut, dcp_dir=".")
                     track_new.append(_time_ns(track) / 1000)
                     fut.set_result(md)
+                    client.flush(30.0)
+                    begin = partial(client.begin, rootp, 2_000_000 + i, 0, 2)
+                    begin_new.append(_time_ns(begin) / 1000)
                 client.flush(30.0)
                 fut = Future()
                 track = partial(client.track, rootp, 1, 0, 2, fut, dcp_dir=".")
                 track_again.append(_time_ns(track) / 1000)
+                client.flush(30.0)
                 callback.append(_time_ns(partial(fut.set_result, md)) / 1000)
-                piped.flush(30.0)
-                fut = Future()
-                track = partial(piped.track, rootp, 2, 0, 2, fut, dcp_dir=".")
-                track_piped.append(_time_ns(track) / 1000)
-                fut.set_result(md)
                 handle = client.save(rootp, 1, 0, 2)
                 client.flush(30.0)
                 fut = Future()
@@ -149,20 +158,20 @@ def run(
             loop.call_soon_threadsafe(loop.stop)
             looper.join(10.0)
             loop.close()
-            assert client.flush(30.0) and piped.flush(30.0)
+            inbox.put(None)
+            taker.join(10.0)
+            assert client.flush(30.0)
 
             # Allocation growth across many calls: the traced size after each tenth of
             # them (flushed, collected); growth is the last minus the first.
-            who: CheckpointClient = piped if quick else client
-
             def cycle(count: int) -> None:
                 for i in range(count):
                     f: Future[Any] = Future()
-                    who.track(rootp, 3, 0, 2, f, dcp_dir=".")
+                    client.track(rootp, 3, 0, 2, f, dcp_dir=".")
                     f.set_result(md)
                     if i % 100 == 99:  # a trainer is never far ahead of the daemon either
-                        who.flush(30.0)
-                who.flush(30.0)
+                        client.flush(30.0)
+                client.flush(30.0)
 
             cycle(1000)  # warm caches and freelists
             tracemalloc.start()
@@ -173,20 +182,12 @@ def run(
                 sizes.append(tracemalloc.get_traced_memory()[0])
             tracemalloc.stop()
             client.close()
-            piped.close()
     rows = [
         _row("track(), new step", "training thread", track_new, base_reg, "add_done_callback"),
         _row(
             "track(), step already begun",
             "training thread",
             track_again,
-            base_reg,
-            "add_done_callback",
-        ),
-        _row(
-            "track(), begin not awaited*",
-            "training thread",
-            track_piped,
             base_reg,
             "add_done_callback",
         ),
@@ -199,15 +200,18 @@ def run(
             "set_result, no-op cb",
         ),
     ]
-    floor = _row("call_soon_threadsafe", "hand-off to a loop thread", handoff, None, "")
-    floor.note = "the floor of handing one message to an I/O thread, as the client does"
-    rows.append(floor)
-    for row in rows[:5]:
+    for row in rows:
         row.target, row.met = "p50 < 20 us", row.median < 20.0
-    kind = "begin not awaited*" if quick else "track"
+    ack = _row("begin() acknowledged, new step", "round trip", begin_new, None, "")
+    ack.note = "what orchestrator.async_save overlaps with dcp.async_save's own work"
+    floor = _row("call_soon_threadsafe", "hand-off to a loop thread", handoff, None, "")
+    floor.note = "wakes the loop through its self-pipe: the woken thread takes the GIL"
+    queued = _row("SimpleQueue.put", "hand-off to a blocked thread", handoff_q, None, "")
+    queued.note = "the client's hand-off: the caller keeps the GIL"
+    rows += [ack, floor, queued]
     growth = Row(
         "client_cost",
-        f"{n_alloc:,} x {kind} + done",
+        f"{n_alloc:,} x track + done",
         "allocation growth",
         "bytes",
         float(sizes[-1] - sizes[0]),
@@ -221,7 +225,8 @@ def run(
         {
             "track_new_us": track_new,
             "track_again_us": track_again,
-            "track_piped_us": track_piped,
+            "begin_new_us": begin_new,
+            "handoff_queue_us": handoff_q,
             "add_seal_us": add_seal,
             "callback_us": callback,
             "handoff_us": handoff,

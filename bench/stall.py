@@ -6,7 +6,8 @@ each round once per variant, interleaved (see :mod:`bench._stall_worker`):
 (a) synchronous ``dcp.save`` + rename; (b) NeMo-RL's pattern: ``async_save``, wait for
 the upload, rename; (c) bare ``dcp.async_save`` with the same stager and group, no daemon
 (the floor); (d) ckptd: ``orchestrator.async_save``, the daemon promotes; (e) in full
-mode, (d) with the prototype client whose ``begin`` is not awaited.
+mode, (d) with the ``begin`` acknowledged before ``dcp.async_save`` starts instead of
+overlapping it.
 
 Reported per save: the time the training thread is blocked (slowest rank), and the time
 from the save call until ``step_N`` is visible (the trainer's rename in (a)/(b), the
@@ -34,7 +35,7 @@ _NAMES = {
     "b": "(b) NeMo-RL: wait upload, rename",
     "c": "(c) bare async_save",
     "d": "(d) ckptd",
-    "e": "(e) ckptd, begin not awaited*",
+    "e": "(e) ckptd, begin awaited first",
 }
 
 
@@ -177,14 +178,13 @@ def _rows_for_size(
             row.baseline, row.baseline_name = median(visible["b"]), "(b)"
             row.ratio = row.median / row.baseline
         rows.append(row)
-    for v in ("d", "e"):
-        steps = _per_step(samples, v)
-        begins = [max(s.get("begin_s", 0.0) for s in ss) * 1000 for ss in steps.values()]
-        if begins:
-            row = Row("stall", f"{size} {_NAMES[v]}", "of which begin()", "ms", median(begins))
-            row.p99, row.n = p99(begins), len(begins)
-            row.note = "client.save(): the begin round trip, journal fsync included in (d)"
-            rows.append(row)
+    steps = _per_step(samples, "e")
+    begins = [max(s.get("begin_s", 0.0) for s in ss) * 1000 for ss in steps.values()]
+    if begins:
+        row = Row("stall", f"{size} {_NAMES['e']}", "of which begin()", "ms", median(begins))
+        row.p99, row.n = p99(begins), len(begins)
+        row.note = "client.save(): the begin round trip, journal fsync included"
+        rows.append(row)
     for v in ("d", "e"):
         times = promoted_times(events, str(base / v))
         lat = [t["promoted"] - t["last_done"] for t in times.values() if "promoted" in t]
@@ -215,7 +215,7 @@ def run(
 
     Args:
         quick: 64 MB per rank, 3 saves per variant; full: 64 and 512 MB, more saves, and
-            the prototype variant (e).
+            variant (e).
         sizes: MiB of state per rank (overrides the mode).
         saves: Timed saves per variant and size (overrides the mode).
         variants: Variants to run (default a, b, c, d; plus e in full mode).
