@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 import msgspec
-from anyio.abc import SocketStream, TaskGroup
+from anyio.abc import SocketAttribute, SocketStream, TaskGroup
 
 from orchestrator import protocol as p
 
 from ._errors import RequestError
-from ._framing import TOO_LONG, StalledLine, read_lines
+from ._framing import TOO_LONG, LineSocket, StalledLine
 
 if TYPE_CHECKING:
     from ._server import Daemon
@@ -29,6 +29,9 @@ __all__ = ["MAX_WAITS", "Connection"]
 MAX_WAITS: Final = 256
 """``wait`` requests pending at once on one connection."""
 
+_LINGER: Final = 1.0
+"""Seconds a closing connection may take to hand its last replies to the client."""
+
 
 class Connection:
     """Serves one client of ``daemon`` over ``stream``."""
@@ -37,7 +40,7 @@ class Connection:
         self.id = conn_id
         self._daemon = daemon
         self._stream = stream
-        self._lock = anyio.Lock()
+        self._io: LineSocket | None = None
         self._waits = 0
         self._subscribed = False
         self._closed = False
@@ -45,32 +48,41 @@ class Connection:
 
     async def run(self) -> None:
         """Read and answer requests until the client goes away or the daemon stops."""
-        with self._scope:
-            async with anyio.create_task_group() as streams:
-                async with anyio.create_task_group() as waits:
-                    lines = read_lines(self._stream, p.MAX_LINE, self._daemon.config.stall_timeout)
-                    try:
-                        async for line in lines:
-                            reply = await self._answer(line, waits, streams)
-                            if reply is not None:
-                                await self.send(reply)
-                    except StalledLine as exc:
-                        # Half a line and silence: drop it, so it costs nothing else.
-                        self._daemon.events.emit(
-                            "client.dropped", "warning", conn=self.id, reason=str(exc)
-                        )
-                        self._scope.cancel()
-                # End of input: the pending waits above are answered first.
-                streams.cancel_scope.cancel()
+        # The loop's transport serves the socket from here on (anyio's stream only
+        # closes it): no system call to wait for a request, none to queue a reply.
+        raw = self._stream.extra(SocketAttribute.raw_socket)
+        io = self._io = await LineSocket.attach(raw, p.MAX_LINE, self._daemon.config.stall_timeout)
+        try:
+            with self._scope:
+                async with anyio.create_task_group() as streams:
+                    async with anyio.create_task_group() as waits:
+                        try:
+                            async for line in io.lines():
+                                reply = await self._answer(line, waits, streams)
+                                if reply is not None:
+                                    await self.send(reply)
+                        except StalledLine as exc:
+                            # Half a line and silence: drop it, so it costs nothing else.
+                            self._daemon.events.emit(
+                                "client.dropped", "warning", conn=self.id, reason=str(exc)
+                            )
+                            self._scope.cancel()
+                    # End of input: the pending waits above are answered first.
+                    streams.cancel_scope.cancel()
+            if not self._closed:
+                await io.aclose(_LINGER)
+        finally:
+            io.close()
 
     async def send(self, message: msgspec.Struct | dict[str, Any]) -> None:
         """Write one line; if the client is gone, close the whole connection."""
-        if self._closed:
+        io = self._io
+        if self._closed or io is None:
             return
-        try:
-            async with self._lock:
-                await self._stream.send(p.encode(message))
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+        # One write call per line: lines from concurrent senders never interleave.
+        io.write(p.encode(message))
+        await io.drain()  # only while the client is not reading
+        if io.lost:
             self._closed = True
             self._scope.cancel()
 

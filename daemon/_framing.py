@@ -6,13 +6,16 @@ client that sends one oversized request keeps its connection and its later reque
 
 from __future__ import annotations
 
+import asyncio
+import socket
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Final
 
 import anyio
 from anyio.abc import ByteReceiveStream
 
-__all__ = ["TOO_LONG", "StalledLine", "read_lines"]
+__all__ = ["TOO_LONG", "LineSocket", "StalledLine", "read_lines"]
 
 TOO_LONG: Final = b""
 """Yielded in place of a line that exceeded the bound (real lines are never empty)."""
@@ -22,6 +25,43 @@ _CHUNK: Final = 65536
 
 class StalledLine(TimeoutError):
     """Raised when a started line is not finished within the stall timeout."""
+
+
+class _Splitter:
+    """Cuts chunks into bounded lines (the rules of :func:`read_lines`)."""
+
+    def __init__(self, max_line: int) -> None:
+        self.max_line = max_line
+        self.buf = bytearray()
+        self.scanned = 0
+        self.discarding = False
+
+    def feed(self, chunk: bytes, out: deque[bytes]) -> None:
+        """Append the lines ``chunk`` completes to ``out``."""
+        buf = self.buf
+        buf += chunk
+        while True:
+            nl = buf.find(b"\n", self.scanned)
+            if nl < 0:
+                self.scanned = len(buf)
+                if len(buf) >= self.max_line:
+                    buf.clear()
+                    self.scanned = 0
+                    self.discarding = True
+                return
+            line = bytes(buf[:nl])
+            del buf[: nl + 1]
+            self.scanned = 0
+            if self.discarding or nl + 1 > self.max_line:
+                self.discarding = False
+                out.append(TOO_LONG)
+            elif line.strip():
+                out.append(line)
+
+    @property
+    def partial(self) -> bool:
+        """Whether a line has been started and not finished."""
+        return bool(self.buf) or self.discarding
 
 
 async def read_lines(
@@ -38,9 +78,8 @@ async def read_lines(
         StalledLine: a line was started but not finished within ``stall_timeout``
             seconds (a client idle between whole lines may stay as long as it likes).
     """
-    buf = bytearray()
-    scanned = 0
-    discarding = False
+    splitter = _Splitter(max_line)
+    lines: deque[bytes] = deque()
     started: float | None = None  # when the unfinished line began
     while True:
         try:
@@ -54,24 +93,155 @@ async def read_lines(
             raise StalledLine(f"a line was left unfinished for {stall_timeout:g}s") from None
         except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
             return
-        buf += chunk
-        while True:
-            nl = buf.find(b"\n", scanned)
-            if nl < 0:
-                scanned = len(buf)
-                if len(buf) >= max_line:
-                    buf.clear()
-                    scanned = 0
-                    discarding = True
-                break
-            line = bytes(buf[:nl])
-            del buf[: nl + 1]
-            scanned = 0
+        splitter.feed(chunk, lines)
+        if lines:
             started = None
-            if discarding or nl + 1 > max_line:
-                discarding = False
-                yield TOO_LONG
-            elif line.strip():
-                yield line
-        if started is None and (buf or discarding):
+        while lines:
+            yield lines.popleft()
+        if started is None and splitter.partial:
             started = anyio.current_time()
+
+
+class LineSocket(asyncio.Protocol):
+    """A connected socket served by the event loop's transport: lines in, bytes out.
+
+    The loop keeps the socket registered and hands over what arrives, so waiting for the
+    next request costs no system call; a reply is written at once, from the caller,
+    without a lock or a task switch. Both directions are bounded: reading pauses while
+    :data:`_MAX_PENDING` lines wait to be taken, and :meth:`drain` waits while the
+    client is not reading its replies.
+
+    Args:
+        max_line: Longest line in bytes, newline included (see :func:`read_lines`).
+        stall_timeout: Seconds a started line may stay unfinished.
+    """
+
+    def __init__(self, max_line: int, stall_timeout: float) -> None:
+        self._splitter = _Splitter(max_line)
+        self._stall_timeout = stall_timeout
+        self._lines: deque[bytes] = deque()
+        self._started: float | None = None
+        self._transport: asyncio.Transport | None = None
+        self._readable: asyncio.Future[None] | None = None
+        self._writable: asyncio.Future[None] | None = None
+        self._reading_paused = False
+        self._eof = False
+        self._gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.lost = False
+        """The connection is gone: nothing more can be written."""
+
+    @classmethod
+    async def attach(cls, sock: socket.socket, max_line: int, stall_timeout: float) -> LineSocket:
+        """Serve the connected ``sock`` (which the caller must no longer use) on the loop."""
+        loop = asyncio.get_running_loop()
+        _, protocol = await loop.connect_accepted_socket(
+            lambda: cls(max_line, stall_timeout), sock=sock
+        )
+        return protocol
+
+    # -- protocol callbacks (the loop calls these) --
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Keep the transport."""
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        """Split what arrived into lines; pause reading while many wait."""
+        count = len(self._lines)
+        self._splitter.feed(data, self._lines)
+        if len(self._lines) > count:
+            self._started = None
+        if self._started is None and self._splitter.partial:
+            self._started = asyncio.get_running_loop().time()
+        if len(self._lines) >= _MAX_PENDING and self._transport is not None:
+            self._transport.pause_reading()
+            self._reading_paused = True
+        _wake(self._readable)
+
+    def eof_received(self) -> bool:
+        """The client shut down its sending side: keep the connection open for replies."""
+        self._eof = True
+        _wake(self._readable)
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """The connection is closed (by either side)."""
+        self._eof = self.lost = True
+        _wake(self._readable)
+        _wake(self._writable)
+        _wake(self._gone)
+
+    def pause_writing(self) -> None:
+        """The transport's write buffer is over its high-water mark."""
+        if self._writable is None or self._writable.done():
+            self._writable = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        """The write buffer drained below its low-water mark."""
+        _wake(self._writable)
+
+    # -- the connection's side --
+
+    async def lines(self) -> AsyncIterator[bytes]:
+        """Each line, as :func:`read_lines` yields them, until end of input.
+
+        Raises:
+            StalledLine: a line was left unfinished for ``stall_timeout`` seconds.
+        """
+        loop = asyncio.get_running_loop()
+        while True:
+            while self._lines:
+                if self._reading_paused and len(self._lines) <= _MAX_PENDING // 2:
+                    self._reading_paused = False
+                    if self._transport is not None and not self.lost:
+                        self._transport.resume_reading()
+                yield self._lines.popleft()
+            if self._eof:
+                return
+            self._readable = loop.create_future()
+            if self._started is None:
+                await self._readable
+            else:
+                # One deadline per line: trickling a byte at a time does not extend it.
+                deadline = self._started + self._stall_timeout
+                try:
+                    with anyio.fail_after(max(0.0, deadline - loop.time())):
+                        await self._readable
+                except TimeoutError:
+                    raise StalledLine(
+                        f"a line was left unfinished for {self._stall_timeout:g}s"
+                    ) from None
+
+    def write(self, data: bytes) -> None:
+        """Queue ``data`` for sending (sent at once when the socket has room)."""
+        if not self.lost and self._transport is not None:
+            self._transport.write(data)
+
+    async def drain(self) -> None:
+        """Wait while the client is not reading its replies."""
+        writable = self._writable
+        if writable is not None and not writable.done():
+            await writable
+
+    async def aclose(self, linger: float) -> None:
+        """Close once every reply is sent, waiting at most ``linger`` seconds for that."""
+        if self._transport is not None and not self.lost:
+            self._transport.close()
+            with anyio.move_on_after(linger):
+                await self._gone
+        self.close()
+
+    def close(self) -> None:
+        """Close now, dropping what the client has not read (it is gone or not listening)."""
+        if self._transport is not None:
+            self._transport.abort()
+
+
+_MAX_PENDING: Final = 64
+"""Lines received and not yet taken before the socket stops being read."""
+
+
+def _wake(future: asyncio.Future[None] | None) -> None:
+    if future is not None and not future.done():
+        future.set_result(None)

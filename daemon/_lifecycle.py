@@ -20,6 +20,7 @@ from anyio.abc import SocketListener, TaskGroup, TaskStatus
 from . import _systemd
 from ._config import Config
 from ._errors import ConfigError
+from ._events import flush_logging
 from ._journal import Journal
 from ._promoter import Storage
 from ._recovery import recover
@@ -125,6 +126,7 @@ async def _watch_signals(
                 stop.set()
             elif signum == signal.SIGINT:
                 daemon.events.emit("daemon.forced_exit", "error", signal="SIGINT")
+                flush_logging(1.0)  # os._exit skips atexit: get the last lines out
                 os._exit(130)
 
 

@@ -31,6 +31,7 @@ from ._errors import RequestError, VerificationError
 from ._events import Events
 from ._journal import Journal, JournalRecord
 from ._ledger import Effect, Emit, Ledger, SaveKey, SaveRecord, Settled, Verify
+from ._mounts import is_local, mount_table
 from ._paths import check_relative, check_tmp_dir
 from ._promoter import LocalStorage, Storage, latest_promoted
 from ._promotion import Promoter
@@ -81,10 +82,13 @@ class Daemon:
         self._queued = 0  # changes ever queued
         self._durable = 0  # changes ever made durable
         self._held: deque[tuple[int, list[Effect]]] = deque()  # effects awaiting durability
-        self._flush_lock = anyio.Lock()
+        self._flushing: anyio.Event | None = None  # set when the flush under way ends
         self._collecting: set[SaveKey] = set()  # steps gc is removing right now
         self.promoter = Promoter(self, storage or LocalStorage())
         self.stopping = False
+        mounts = mount_table()
+        self._local = {r.path for r in config.roots if is_local(r.real or r.path, mounts)}
+        """Roots on a local filesystem: their per-save checks run on the event loop."""
 
     # -- effects -----------------------------------------------------------------------
 
@@ -110,24 +114,42 @@ class Daemon:
         if self.journal is None:
             self._queue.clear()
             self._durable = self._queued
-        else:
-            async with self._flush_lock:
-                if self._durable < target:
-                    batch = list(self._queue)
-                    try:
-                        with anyio.CancelScope(shield=True):
-                            await self.journal.append(batch)
-                    except OSError as exc:
-                        path = self.journal.path
-                        self.events.emit("journal.failed", "error", path=path, error=_why(exc))
-                        raise RequestError(
-                            p.ErrorCode.UNAVAILABLE,
-                            f"the change could not be made durable ({_why(exc)}); retry",
-                        ) from None
-                    del self._queue[: len(batch)]
-                    self._durable += len(batch)
+        # One flush at a time, each taking every change queued so far. Commits whose
+        # changes are in a flush wait for it and then all go on together (no hand-off
+        # from one waiter to the next); the first of the rest starts the next flush.
+        while self._durable < target:
+            if self._flushing is not None:
+                await self._flushing.wait()
+                continue
+            await self._flush()
         while self._held and self._held[0][0] <= self._durable:
             self.apply(self._held.popleft()[1])
+
+    async def _flush(self) -> None:
+        """Write every queued change to the journal and wait until it is durable.
+
+        Raises:
+            RequestError: (``unavailable``) the journal could not be written.
+        """
+        assert self.journal is not None
+        done = self._flushing = anyio.Event()
+        batch = list(self._queue)
+        try:
+            with anyio.CancelScope(shield=True):
+                await self.journal.append(batch)
+        except OSError as exc:
+            path = self.journal.path
+            self.events.emit("journal.failed", "error", path=path, error=_why(exc))
+            raise RequestError(
+                p.ErrorCode.UNAVAILABLE,
+                f"the change could not be made durable ({_why(exc)}); retry",
+            ) from None
+        else:
+            del self._queue[: len(batch)]
+            self._durable += len(batch)
+        finally:
+            self._flushing = None
+            done.set()
 
     def ledger_changed(self) -> bool:
         """Whether the ledger holds changes not yet journaled."""
@@ -292,7 +314,10 @@ class Daemon:
             moved = await anyio.to_thread.run_sync(_gc.quarantine, root, key.step)
             if moved is not None:
                 self.events.emit("save.quarantined", root=root.path, step=key.step, path=moved)
-        await anyio.to_thread.run_sync(check_tmp_dir, root, key.step)
+        if root.path in self._local:
+            check_tmp_dir(root, key.step)  # two lstats on a local disk: not worth a thread
+        else:
+            await anyio.to_thread.run_sync(check_tmp_dir, root, key.step)
 
     async def settled(self, request: p.Wait, root: RootConfig) -> p.WaitReply:
         """The reply to ``wait``, once the step settles or ``request.timeout`` passes."""

@@ -362,6 +362,7 @@ class TestTail:
         with subprocess.Popen(
             [sys.executable, "-m", "daemon", "tail", "--json", "--socket", sock(daemon)],
             stdout=subprocess.PIPE,
+            bufsize=0,  # unbuffered: select() then sees every line not yet read
             cwd=REPO,
             env=env,
         ) as tail:

@@ -76,16 +76,6 @@ class TestReplyOracle:
 class TestSubscriberHangUp:
     """A subscriber that hangs up while events flow costs the daemon nothing, not even noise."""
 
-    @pytest.mark.xfail(
-        strict=True,
-        raises=AssertionError,
-        reason="production bug (found by the fuzzer): when a subscribed connection closes "
-        "while events are being forwarded, the cancelled send or receive of anyio's raw "
-        "UNIX socket stream (_RawSocketMixin: loop.add_reader/add_writer(sock, "
-        "f.set_result, None)) still fires its callback, and asyncio prints 'Exception in "
-        "callback Future.set_result(None) ... InvalidStateError' tracebacks to the "
-        "daemon's stderr; the daemon keeps serving",
-    )
     def test_no_traceback_on_stderr(self, short_dir: Path, root: Path) -> None:
         daemon = FaultDaemon(short_dir / "d.sock", [root], state_dir=short_dir / "state")
         daemon.start()
