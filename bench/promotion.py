@@ -15,6 +15,11 @@ Real 2-rank DCP saves are measured in benchmark 1, which reports the same latenc
 the daemon's own ``save.rank_done`` and ``checkpoint.promoted`` timestamps.
 
     .venv/bin/python -m bench.promotion [--full] [--files 10,100,1000] [--reps 20]
+        [--tree OTHER_CHECKOUT]   # also measure another build's daemon, same run
+
+With ``--tree``, each other checkout's daemon runs beside this one (its own root and
+state directory) and gets the same samples, interleaved round by round, so a change is
+compared against its baseline under the same load.
 """
 
 from __future__ import annotations
@@ -25,10 +30,11 @@ import os
 import shutil
 import socket
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from ._common import BenchResult, Daemon, Row, median, p99, print_table, scratch_dir
+from ._common import REPO, BenchResult, Daemon, Row, median, p99, print_table, scratch_dir
 
 __all__ = ["run"]
 
@@ -139,7 +145,11 @@ def _one(
 
 
 def run(
-    quick: bool = True, *, files: list[int] | None = None, reps: int | None = None
+    quick: bool = True,
+    *,
+    files: list[int] | None = None,
+    reps: int | None = None,
+    trees: list[Path] | None = None,
 ) -> BenchResult:
     """Run benchmark 2.
 
@@ -147,43 +157,56 @@ def run(
         quick: 15 samples per size (5 at 1,000 files); full: 50 (20).
         files: File counts per checkpoint (default 10, 100, 1,000).
         reps: Samples per file count (overrides the mode).
+        trees: Other source trees whose daemon to measure as well, interleaved.
     """
     counts = files or [10, 100, 1000]
     block = os.urandom(_FILE_BYTES)
-    samples: dict[int, list[dict[str, float]]] = {n: [] for n in counts}
+    labels = ["ckptd", *(f"ckptd ({t.name})" for t in trees or [])]
+    sources = [REPO, *(trees or [])]
+    samples: dict[str, dict[int, list[dict[str, float]]]] = {
+        label: {n: [] for n in counts} for label in labels
+    }
     fsyncs: list[float] = []
-    with scratch_dir() as work:
-        root = work / "run"
-        root.mkdir()
-        with Daemon(work, [root]) as daemon:
+    with ExitStack() as stack:
+        targets = []
+        for tree in sources:
+            work = stack.enter_context(scratch_dir())
+            root = work / "run"
+            root.mkdir()
+            daemon = stack.enter_context(Daemon(work, [root], tree=tree))
             ranks = [_Line(daemon.socket) for _ in range(2)]
             events = _Line(daemon.socket)
             events.call("subscribe")
-            step = 0
-            per_count = {
-                n: reps or ((15 if n < 1000 else 5) if quick else (50 if n < 1000 else 20))
-                for n in counts
-            }
-            # Interleave file counts so drift on a loaded machine hits them alike;
-            # the first round is a warm-up.
-            for round_no in range(max(per_count.values()) + 1):
-                for n in counts:
-                    if round_no > per_count[n]:
-                        continue
-                    step += 1
-                    sample = _one(root, step, n, ranks, events, block)
-                    flush_ms = _fsync_latency(root) * 1000
-                    if round_no > 0:
-                        samples[n].append(sample)
-                        fsyncs.append(flush_ms)
-                    shutil.rmtree(root / f"step_{step}", ignore_errors=True)
             for conn in [*ranks, events]:
-                conn.close()
+                stack.callback(conn.close)
+            targets.append((root, ranks, events))
+        step = 0
+        per_count = {
+            n: reps or ((15 if n < 1000 else 5) if quick else (50 if n < 1000 else 20))
+            for n in counts
+        }
+        # Interleave file counts (and trees, in rotating order) so drift on a loaded
+        # machine hits them alike; the first round is a warm-up.
+        for round_no in range(max(per_count.values()) + 1):
+            for n in counts:
+                if round_no > per_count[n]:
+                    continue
+                step += 1
+                shift = round_no % len(targets)
+                for i in [*range(shift, len(targets)), *range(shift)]:
+                    root, ranks, events = targets[i]
+                    sample = _one(root, step, n, ranks, events, block)
+                    if round_no > 0:
+                        samples[labels[i]][n].append(sample)
+                    shutil.rmtree(root / f"step_{step}", ignore_errors=True)
+                flush_ms = _fsync_latency(targets[0][0]) * 1000
+                if round_no > 0:
+                    fsyncs.append(flush_ms)
     rows: list[Row] = []
     p50s: dict[int, float] = {}
     for n in counts:
-        lat = [s["latency_ms"] for s in samples[n]]
-        up = [s["upload_ms"] for s in samples[n]]
+        lat = [s["latency_ms"] for s in samples["ckptd"][n]]
+        up = [s["upload_ms"] for s in samples["ckptd"][n]]
         p50s[n] = median(lat)
         row = Row("promotion", f"{n} files", "last done -> promoted", "ms", median(lat))
         row.p99, row.n = p99(lat), len(lat)
@@ -193,6 +216,14 @@ def run(
         if n == 100:
             row.target, row.met = "p50 < 10 ms", row.median < 10.0
         rows.append(row)
+        for label in labels[1:]:
+            other = [s["latency_ms"] for s in samples[label][n]]
+            row = Row("promotion", f"{n} files, {label}", "last done -> promoted", "ms", 0.0)
+            row.median, row.p99, row.n = median(other), p99(other), len(other)
+            row.baseline, row.baseline_name = p50s[n], "this tree"
+            row.ratio = row.median / p50s[n]
+            row.note = "the other tree's daemon, same samples interleaved"
+            rows.append(row)
     flush = Row("promotion", "one small write", "fsync latency", "ms", median(fsyncs))
     flush.p99, flush.n = p99(fsyncs), len(fsyncs)
     flush.note = "this disk's flush, measured between the samples: the unit promotion pays"
@@ -209,8 +240,10 @@ def run(
         row.ratio = growth / (big / small)
         row.target, row.met = "<= linear", growth <= big / small
         rows.append(row)
-    raw: dict[str, Any] = {str(n): samples[n] for n in counts}
+    raw: dict[str, Any] = {str(n): samples["ckptd"][n] for n in counts}
     raw["fsync_ms"] = fsyncs
+    for label in labels[1:]:
+        raw[label] = {str(n): samples[label][n] for n in counts}
     return BenchResult(rows, raw)
 
 
@@ -219,9 +252,10 @@ def main() -> None:
     parser.add_argument("--full", action="store_true")
     parser.add_argument("--files", help="comma-separated file counts")
     parser.add_argument("--reps", type=int)
+    parser.add_argument("--tree", type=Path, action="append", default=[])
     args = parser.parse_args()
     counts = [int(n) for n in args.files.split(",")] if args.files else None
-    print_table(run(not args.full, files=counts, reps=args.reps).rows)
+    print_table(run(not args.full, files=counts, reps=args.reps, trees=args.tree).rows)
 
 
 if __name__ == "__main__":

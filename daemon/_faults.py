@@ -14,6 +14,7 @@ from typing import Final
 __all__ = ["POINTS", "crash_point"]
 
 POINTS: Final = (
+    "before_intent",
     "after_intent",
     "after_manifest",
     "after_fsync",

@@ -13,7 +13,9 @@ import errno
 import os
 import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Final, Protocol
 
@@ -35,7 +37,11 @@ __all__ = [
 ]
 
 _AT_FDCWD: Final = -100
-_FSYNC_WORKERS: Final = 16
+# Flushing threads per promotion. Measured on a 2-vCPU VM (virtio, ext4), 100 clean
+# files: 8 threads draining one queue 3.1 ms, 16 threads 3.5 ms, one future per file
+# from 16 threads 6.2 ms, serial 6.6 ms. More threads only add GIL hand-offs, which also
+# delay the event loop meanwhile.
+_FSYNC_WORKERS: Final = 8
 _RENAME_NOREPLACE: Final = 1
 
 
@@ -45,8 +51,12 @@ class Storage(Protocol):
     def fsync(self, path: str, *, directory: bool = False) -> None:
         """Flush ``path`` (a file, or a directory's entries) to stable storage."""
 
-    def write_atomic(self, path: str, data: bytes) -> None:
-        """Write ``data`` to ``path`` durably: temp file, fsync, rename, fsync the dir."""
+    def write_atomic(self, path: str, data: bytes, *, sync_dir: bool = True) -> None:
+        """Write ``data`` to ``path`` durably: temp file, fsync, rename, fsync the dir.
+
+        With ``sync_dir=False`` the directory is not fsynced: the caller fsyncs it
+        afterwards, and ``path`` is durable only from then on.
+        """
 
     def rename_noreplace(self, src: str, dst: str) -> None:
         """Rename ``src`` to ``dst``; fail with ``FileExistsError`` if ``dst`` exists."""
@@ -71,7 +81,7 @@ class LocalStorage:
         finally:
             os.close(fd)
 
-    def write_atomic(self, path: str, data: bytes) -> None:
+    def write_atomic(self, path: str, data: bytes, *, sync_dir: bool = True) -> None:
         """See :meth:`Storage.write_atomic`."""
         tmp = f"{path}.{uuid.uuid4().hex}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
@@ -86,7 +96,8 @@ class LocalStorage:
             raise
         os.close(fd)
         os.replace(tmp, path)
-        self.fsync(os.path.dirname(path), directory=True)
+        if sync_dir:
+            self.fsync(os.path.dirname(path), directory=True)
 
     def rename_noreplace(self, src: str, dst: str) -> None:
         """See :meth:`Storage.rename_noreplace`."""
@@ -127,12 +138,31 @@ class Promotion:
     pointer_error: str | None = None
 
 
-def promote(storage: Storage, root: RootConfig, step: int, manifest: Manifest) -> Promotion:
+def promote(
+    storage: Storage,
+    root: RootConfig,
+    step: int,
+    manifest: Manifest,
+    *,
+    intent: Callable[[], object] | None = None,
+) -> Promotion:
     """Make step ``step`` of ``root`` a checkpoint. Call only after verification.
 
-    Order: write the manifest; fsync every file and directory of the save; one
+    Order: start flushing every file and subdirectory of the save side by side; call
+    ``intent`` while they run; write the manifest; once every flush is done, fsync the
+    save's own directory (the manifest's entry with it); one
     ``rename(tmp_step_N, step_N)`` that never replaces; fsync the root; move the pointer
-    if this is the newest step.
+    if this is the newest step. Nothing is renamed before all of the save, the manifest
+    and the intent are durable.
+
+    Args:
+        storage: Where the writes go.
+        root: The save's root.
+        step: The save's step.
+        manifest: What verification found; written into the checkpoint.
+        intent: Returns once the promotion's intent is durable (the journal); if it
+            raises, nothing is written or renamed and the exception propagates once the
+            flushes already started have ended.
 
     Returns:
         Where the checkpoint is and whether the pointer moved. A pointer that cannot be
@@ -145,17 +175,30 @@ def promote(storage: Storage, root: RootConfig, step: int, manifest: Manifest) -
             the root cannot be fsynced after it, the rename is undone where possible.
     """
     tmp, final = root.tmp_dir(step), root.final_dir(step)
+    # Files and subdirectories are independent: flush them side by side (the disk
+    # queues them together) while the intent is journaled and the manifest written.
+    queue = deque((os.path.join(tmp, rel), False) for rel in manifest.files)
+    queue.extend((os.path.join(tmp, rel), True) for rel in manifest.dirs if rel != ".")
+    workers, pool = min(_FSYNC_WORKERS, len(queue)), _fsync_pool()
+    flushes = [pool.submit(_drain, storage, queue) for _ in range(workers)]
     stage = "write manifest"
     try:
-        storage.write_atomic(os.path.join(tmp, MANIFEST_NAME), msgspec.json.encode(manifest))
-        crash_point("after_manifest")
+        try:
+            if intent is not None:
+                intent()
+            # Its directory entry becomes durable with the fsync of ``tmp`` below.
+            data = msgspec.json.encode(manifest)
+            storage.write_atomic(os.path.join(tmp, MANIFEST_NAME), data, sync_dir=False)
+            crash_point("after_manifest")
+        except BaseException:
+            wait(flushes)  # nothing of this promotion runs on after it returns
+            raise
         stage = "fsync"
-        # Independent files: fsync them side by side (the disk queues them together).
-        paths = [os.path.join(tmp, rel) for rel in manifest.files]
-        for _ in _fsync_pool().map(storage.fsync, paths):
-            pass
-        for rel in manifest.dirs:  # deepest first, the save's own directory last
-            storage.fsync(os.path.normpath(os.path.join(tmp, rel)), directory=True)
+        wait(flushes)
+        for flush in flushes:
+            flush.result()
+        # Last, after the manifest's rename into it: the save's own directory.
+        storage.fsync(tmp, directory=True)
         crash_point("after_fsync")
         stage = "rename"
         storage.rename_noreplace(tmp, final)
@@ -165,6 +208,20 @@ def promote(storage: Storage, root: RootConfig, step: int, manifest: Manifest) -
             exc.errno or errno.EIO, f"{stage} failed for {tmp}: {exc.strerror or exc}"
         ) from exc
     return _after_rename(storage, root, step, undo=True)
+
+
+def _drain(storage: Storage, queue: deque[tuple[str, bool]]) -> None:
+    """Fsync paths from ``queue`` until it is empty (``deque.popleft`` is thread-safe).
+
+    A few threads draining one queue cost far fewer thread hand-offs than a future per
+    file; the first failure stops this thread and is raised from its future.
+    """
+    while True:
+        try:
+            path, directory = queue.popleft()
+        except IndexError:
+            return
+        storage.fsync(path, directory=directory)
 
 
 def finish(storage: Storage, root: RootConfig, step: int) -> Promotion:
@@ -213,7 +270,8 @@ def _fsync_pool() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=_FSYNC_WORKERS, thread_name_prefix="fsync")
+            # Room for two promotions (of different roots) flushing at once.
+            _pool = ThreadPoolExecutor(max_workers=2 * _FSYNC_WORKERS, thread_name_prefix="fsync")
         return _pool
 
 
@@ -256,7 +314,7 @@ def _advance_pointer(storage: Storage, root: RootConfig, step: int) -> bool:
         if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS):
             raise
         # Filesystems without symlinks: the same ``NAME.txt`` fallback nemo_automodel reads.
-        storage.write_atomic(f"{link}.txt", f"{target}\n".encode())
+        storage.write_atomic(f"{link}.txt", f"{target}\n".encode(), sync_dir=False)
     else:
         text = f"{link}.txt"
         if os.path.lexists(text):

@@ -10,20 +10,23 @@ outcome), never redone.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.abc import TaskGroup
 
 from orchestrator import protocol as p
+from orchestrator.protocol import FileEntry
 
 from . import _promoter
 from ._config import RootConfig
 from ._errors import PromotionError, RequestError, VerificationError
 from ._faults import crash_point
 from ._ledger import SaveKey
-from ._promoter import Storage
-from ._verify import read_manifest, scan_save
+from ._promoter import Promotion, Storage
+from ._verify import Manifest, read_manifest, scan_save
 
 if TYPE_CHECKING:
     from ._server import Daemon
@@ -86,15 +89,18 @@ class Promoter:
                     _promoter.finish, self._storage, root, key.step
                 )
             else:
-                manifest = await anyio.to_thread.run_sync(
-                    scan_save, root, key.step, save.world_size, save.reported_files()
-                )
-                if not resumed:
-                    # The intent is durable before the rename can happen.
-                    await daemon.commit(ledger.verified(key))
-                    crash_point("after_intent")
-                done = await anyio.to_thread.run_sync(
-                    _promoter.promote, self._storage, root, key.step, manifest
+                # One worker thread verifies and promotes; it journals the intent through
+                # the event loop while the save's files are flushed, and renames only
+                # once the intent is durable (a resumed promotion's already is).
+                intent = None if resumed else partial(anyio.from_thread.run, self._intent, key)
+                manifest, done = await anyio.to_thread.run_sync(
+                    _verify_and_promote,
+                    self._storage,
+                    root,
+                    key.step,
+                    save.world_size,
+                    save.reported_files(),
+                    intent,
                 )
         except VerificationError as exc:
             await self._reject(key, f"verification failed: {exc}")
@@ -130,12 +136,31 @@ class Promoter:
             daemon.events.emit("daemon.internal_error", "error", where="promoted", error=repr(exc))
         crash_point("after_promoted")
 
+    async def _intent(self, key: SaveKey) -> None:
+        """Journal that ``key`` passed verification and is about to be renamed."""
+        crash_point("before_intent")
+        await self._daemon.commit(self._daemon.ledger.verified(key))
+        crash_point("after_intent")
+
     async def _reject(self, key: SaveKey, reason: str) -> None:
         daemon = self._daemon
         try:
             await daemon.commit(daemon.ledger.rejected(key, reason, daemon.clock()))
         except RequestError:
             pass  # already reported as journal.failed; recovery verifies again
+
+
+def _verify_and_promote(
+    storage: Storage,
+    root: RootConfig,
+    step: int,
+    world_size: int,
+    reported: dict[int, tuple[FileEntry, ...]],
+    intent: Callable[[], object] | None,
+) -> tuple[Manifest, Promotion]:
+    """Verify ``tmp_step_N``, then promote it (blocking; one worker thread for both)."""
+    manifest = scan_save(root, step, world_size, reported)
+    return manifest, _promoter.promote(storage, root, step, manifest, intent=intent)
 
 
 def _renamed(root: RootConfig, step: int) -> bool:
