@@ -75,7 +75,9 @@ class LocalStorage:
     def fsync(self, path: str, *, directory: bool = False) -> None:
         """See :meth:`Storage.fsync`."""
         flags = os.O_RDONLY | (os.O_DIRECTORY if directory else 0)
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # O_NONBLOCK: a file swapped for a FIFO after verification fails its fsync
+        # instead of blocking this thread (and the root's promotions) on the open.
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         try:
             os.fsync(fd)
         finally:

@@ -78,7 +78,7 @@ def scan_save(
                 if not _inside(os.path.realpath(path), real_tmp):
                     problems.append(f"{rel}: symlink to {os.readlink(path)!r} leaves the save")
             elif stat.S_ISREG(st.st_mode):
-                if rel != MANIFEST_NAME:
+                if rel != MANIFEST_NAME and not _manifest_leftover(rel):
                     files[rel] = st.st_size
                 has_shards = has_shards or name.endswith(".distcp")
             elif not stat.S_ISDIR(st.st_mode):
@@ -128,6 +128,11 @@ def read_manifest(path: str) -> Manifest:
         raise VerificationError(f"{manifest_path}: missing (not promoted by ckptd?)") from None
     except (OSError, msgspec.DecodeError) as exc:
         raise VerificationError(f"{manifest_path}: unreadable: {exc}") from exc
+
+
+def _manifest_leftover(rel: str) -> bool:
+    """Whether ``rel`` is the temp file of a manifest write cut short by a crash."""
+    return rel.startswith(f"{MANIFEST_NAME}.") and rel.endswith(".tmp") and "/" not in rel
 
 
 def verify_checkpoint(path: str) -> list[str]:

@@ -1,0 +1,47 @@
+"""Promotion's file-system steps on real files: what they accept, skip and refuse."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+
+from daemon._config import RootConfig
+from daemon._promoter import LocalStorage
+from daemon._verify import MANIFEST_NAME, scan_save
+from orchestrator.protocol import FileEntry
+
+
+class TestFsync:
+    """``LocalStorage.fsync`` flushes files and directories and never hangs."""
+
+    def test_fifo_fails_at_once(self, tmp_path: Path) -> None:
+        # A file swapped for a FIFO after verification: a blocking open would wait for a
+        # writer forever (pytest-timeout ends this test if it does).
+        fifo = tmp_path / "shard.distcp"
+        os.mkfifo(fifo)
+        with pytest.raises(OSError) as caught:
+            LocalStorage().fsync(str(fifo))
+        assert caught.value.errno == errno.EINVAL
+
+    def test_file_and_directory(self, tmp_path: Path) -> None:
+        (tmp_path / "a.bin").write_bytes(b"a" * 10)
+        LocalStorage().fsync(str(tmp_path / "a.bin"))
+        LocalStorage().fsync(str(tmp_path), directory=True)
+
+
+class TestScan:
+    """``scan_save`` describes the files a checkpoint is made of."""
+
+    def test_manifest_leftover_is_not_a_checkpoint_file(self, tmp_path: Path) -> None:
+        root = tmp_path / "run"
+        tmp = root / "tmp_step_3"
+        tmp.mkdir(parents=True)
+        (tmp / "w.bin").write_bytes(b"w" * 100)
+        # A manifest write cut short by a crash before its rename (resumed promotion).
+        (tmp / f"{MANIFEST_NAME}.0123abcd.tmp").write_bytes(b'{"form')
+        config = RootConfig(path=str(root), real=str(root))
+        manifest = scan_save(config, 3, 1, {0: (FileEntry("w.bin", 100),)})
+        assert manifest.files == {"w.bin": 100}
