@@ -159,8 +159,7 @@ class Daemon:
         workdir: A short directory for the socket (and the state, unless ``state_dir``).
         roots: The checkpoint roots to configure.
         state_dir: Journal directory (default ``workdir/state``).
-        module: Module run with ``python -m``: ``daemon``, or a bench shim such as
-            ``bench._uvloop_serve`` (the same daemon on another event loop).
+        module: Module run with ``python -m`` (``daemon``).
         keep_events: Parse and keep every event; False discards them after
             ``daemon.ready``, so a load test does not spend the bench's CPU on them.
         extra: More ``serve`` flags.

@@ -10,10 +10,13 @@ point by point and interleaved:
 
 - ``echo``: a bare asyncio newline-JSON echo server (:mod:`bench._echo`), the ceiling
   of the language and the socket here (the baseline);
-- ``ckptd``: the daemon as shipped (journal fsynced on the benchmark's disk);
+- ``ckptd``: the daemon as shipped (on uvloop, journal fsynced on the benchmark's disk);
 - ``ckptd, journal on tmpfs`` (full mode): the same with ``--state-dir`` on
   ``/dev/shm``, where ``fsync`` is free: what the daemon's own code costs;
-- ``ckptd on uvloop`` (full mode): the same daemon under uvloop (:mod:`bench._uvloop_serve`).
+- ``ckptd on asyncio`` (full mode): the same daemon on the standard library's event loop
+  (``event_loop = "asyncio"``), which it ran on before uvloop measured faster;
+- ``echo server (uvloop)`` (full mode): the echo server on uvloop, the ceiling on the
+  daemon's own event loop.
 
 Every point gets a fresh server.
 
@@ -100,11 +103,14 @@ def load(path: str, root: str, clients: int, seconds: float) -> tuple[float, lis
 
 
 @contextmanager
-def _echo_server(work: Path) -> Any:
+def _echo_server(work: Path, *flags: str) -> Any:
     sock = str(work / "e.sock")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bench._echo", sock], stdout=subprocess.PIPE, env=env, cwd=REPO
+        [sys.executable, "-m", "bench._echo", sock, *flags],
+        stdout=subprocess.PIPE,
+        env=env,
+        cwd=REPO,
     )
     try:
         assert proc.stdout is not None
@@ -121,20 +127,14 @@ def _echo_server(work: Path) -> Any:
 @contextmanager
 def _daemon(work: Path, root: Path, kind: str, tree: Path) -> Any:
     state = None
-    module = "daemon"
+    settings: dict[str, Any] = {"max_open_saves": _MAX_OPEN}
     if kind == "tmpfs":
         state = Path(tempfile.mkdtemp(prefix="ckb-", dir="/dev/shm"))
-    elif kind == "uvloop":
-        module = "bench._uvloop_serve"
+    elif kind == "asyncio":
+        settings["event_loop"] = "asyncio"
     try:
         daemon = Daemon(
-            work,
-            [root],
-            state_dir=state,
-            module=module,
-            keep_events=False,
-            tree=tree,
-            settings={"max_open_saves": _MAX_OPEN},
+            work, [root], state_dir=state, keep_events=False, tree=tree, settings=settings
         )
         with daemon:
             yield str(work / "d.sock")
@@ -147,7 +147,8 @@ _TARGETS = {
     "echo": "echo server (asyncio)",
     "ckptd": "ckptd",
     "tmpfs": "ckptd, journal on tmpfs",
-    "uvloop": "ckptd on uvloop",
+    "asyncio": "ckptd on asyncio",
+    "echo-uvloop": "echo server (uvloop)",
 }
 
 
@@ -163,15 +164,17 @@ def run(
 
     Args:
         quick: 1.5 s per point, echo and ckptd; full: 5 s per point, plus the tmpfs
-            journal and uvloop variants.
+            journal and asyncio-loop variants.
         clients: Concurrent client counts (default 1, 8, 64, 512).
         seconds: Load duration per point (overrides the mode).
-        targets: Any of ``echo``, ``ckptd``, ``tmpfs``, ``uvloop``.
+        targets: Any of ``echo``, ``ckptd``, ``tmpfs``, ``asyncio``, ``echo-uvloop``.
         trees: Other source trees whose daemon to measure as well (``ckptd`` kind).
     """
     counts = clients or [1, 8, 64, 512]
     secs = seconds or (1.5 if quick else 5.0)
-    kinds = targets or (["echo", "ckptd"] if quick else ["echo", "ckptd", "tmpfs", "uvloop"])
+    kinds = targets or (
+        ["echo", "ckptd"] if quick else ["echo", "ckptd", "tmpfs", "asyncio", "echo-uvloop"]
+    )
     points: list[tuple[str, str, Path]] = [(k, _TARGETS[k], REPO) for k in kinds]
     points += [("ckptd", f"ckptd ({t.name})", t) for t in trees or []]
     results: dict[str, dict[int, dict[str, Any]]] = {label: {} for _, label, _ in points}
@@ -180,9 +183,11 @@ def run(
             with scratch_dir() as work:
                 root = work / "run"
                 root.mkdir()
-                server: AbstractContextManager[str] = (
-                    _echo_server(work) if kind == "echo" else _daemon(work, root, kind, tree)
-                )
+                server: AbstractContextManager[str]
+                if kind.startswith("echo"):
+                    server = _echo_server(work, *(["--uvloop"] if kind == "echo-uvloop" else []))
+                else:
+                    server = _daemon(work, root, kind, tree)
                 with server as sock:
                     rate, lat = load(sock, str(root), n, secs)
             ms = [x * 1000 for x in lat]
@@ -216,7 +221,7 @@ def main() -> None:
     parser.add_argument("--full", action="store_true")
     parser.add_argument("--clients", help="comma-separated client counts")
     parser.add_argument("--seconds", type=float)
-    parser.add_argument("--targets", help="comma-separated: echo,ckptd,tmpfs,uvloop")
+    parser.add_argument("--targets", help="comma-separated: echo,ckptd,tmpfs,asyncio,echo-uvloop")
     parser.add_argument("--tree", type=Path, action="append", default=[])
     args = parser.parse_args()
     result = run(

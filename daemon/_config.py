@@ -106,6 +106,9 @@ class Config:
     """Peers whose primary gid is here may connect too (e.g. the trainers' group)."""
     stall_timeout: float = 30.0
     """Seconds a client may take to finish a line it started before it is dropped."""
+    event_loop: str = "uvloop"
+    """``uvloop`` (served faster; falls back to ``asyncio`` where uvloop is not
+    installed) or ``asyncio`` (the standard library's loop)."""
 
     def __post_init__(self) -> None:
         if not self.roots:
@@ -133,6 +136,8 @@ class Config:
                 raise ConfigError(f"{name} must be non-negative integers, got {ids!r}")
         if not self.stall_timeout > 0:
             raise ConfigError(f"stall_timeout must be > 0 seconds, got {self.stall_timeout}")
+        if self.event_loop not in ("uvloop", "asyncio"):
+            raise ConfigError(f"event_loop must be uvloop or asyncio, got {self.event_loop!r}")
         if not os.path.isabs(self.state_dir):
             raise ConfigError(f"state_dir {self.state_dir!r} must be an absolute path")
         if not self.socket or len(os.fsencode(self.socket)) > 107:
@@ -189,6 +194,7 @@ def load_config(
         "allowed_uids",
         "allowed_gids",
         "stall_timeout",
+        "event_loop",
     }
     unknown = sorted(set(data) - known)
     if unknown:

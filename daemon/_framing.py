@@ -10,7 +10,7 @@ import asyncio
 import socket
 from collections import deque
 from collections.abc import AsyncIterator
-from typing import Final
+from typing import Final, cast
 
 import anyio
 from anyio.abc import ByteReceiveStream
@@ -143,8 +143,8 @@ class LineSocket(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         """Keep the transport."""
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        # uvloop's transports implement the interface without subclassing it.
+        self._transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         """Split what arrived into lines; pause reading while many wait."""

@@ -8,6 +8,7 @@ promotions in flight finish. A second SIGINT exits at once.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -83,6 +84,7 @@ async def serve(
                         version=VERSION,
                         inherited_socket=inherited is not None,
                         state_dir=config.state_dir,
+                        event_loop=_loop_name(),
                     )
                     _systemd.notify_ready("serving")
                     task_status.started(daemon)
@@ -179,3 +181,9 @@ def _unlink_if_ours(path: str, identity: os.stat_result) -> None:
             os.unlink(path)
     except OSError:
         pass
+
+
+def _loop_name() -> str:
+    """``uvloop`` or ``asyncio``: the event loop the daemon runs on."""
+    module = type(asyncio.get_running_loop()).__module__
+    return "uvloop" if module.startswith("uvloop") else "asyncio"

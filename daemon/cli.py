@@ -7,6 +7,7 @@ problems, daemon unreachable, request refused); 2 bad usage or configuration.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import socket
@@ -20,7 +21,7 @@ import msgspec
 
 from orchestrator import protocol as p
 
-from ._config import RootConfig, default_socket_path, load_config
+from ._config import Config, RootConfig, default_socket_path, load_config
 from ._errors import ConfigError
 from ._events import configure_logging
 from ._lifecycle import serve
@@ -152,8 +153,13 @@ def _serve(args: argparse.Namespace) -> int:
         allow_gids=args.allow_gid,
     )
     configure_logging(config.log_level)
-    anyio.run(serve, config)
+    anyio.run(serve, config, backend_options={"use_uvloop": _uvloop_wanted(config)})
     return 0
+
+
+def _uvloop_wanted(config: Config) -> bool:
+    """Whether to serve on uvloop: configured (the default) and installed."""
+    return config.event_loop == "uvloop" and importlib.util.find_spec("uvloop") is not None
 
 
 # -- queries --------------------------------------------------------------------------------

@@ -974,6 +974,26 @@ class TestLifecycle:
         assert not (root / "latest").exists()
         assert (root / "ckpt-8" / ".ckptd-manifest.json").is_file()
 
+    @pytest.mark.parametrize("loop", ["", "uvloop", "asyncio"])
+    def test_event_loop(self, start: Start, root: Path, tmp_path: Path, loop: str) -> None:
+        config = tmp_path / "ckptd.toml"
+        setting = f'event_loop = "{loop}"\n' if loop else ""
+        config.write_text(f'{setting}[[roots]]\npath = "{root}"\n')
+        daemon = start([], "--config", str(config))
+        ready = next(e for e in daemon.seen if e["event"] == "daemon.ready")
+        assert ready["event_loop"] == (loop or "uvloop")  # uvloop is a dependency
+        with connect(daemon) as client:
+            ok(begin(client, root, 1, 0, 1))
+            ok(done(client, root, 1, 0, write_files(root / "tmp_step_1", 0)))
+            assert ok(wait(client, root, 1))["state"] == "promoted"
+
+    def test_unknown_event_loop(self, short_dir: Path, root: Path, tmp_path: Path) -> None:
+        config = tmp_path / "ckptd.toml"
+        config.write_text(f'event_loop = "trio"\n[[roots]]\npath = "{root}"\n')
+        result = run_cli("serve", "--socket", str(short_dir / "d.sock"), "--config", str(config))
+        assert result.returncode == 2
+        assert "event_loop must be uvloop or asyncio, got 'trio'" in result.stderr
+
     def test_shutdown_lets_promotion_finish(self, start: Start, root: Path) -> None:
         # Promotion fsyncs every file: 500 of them take ~2 s on this machine's disk (a few
         # ms each), so SIGTERM, sent a few ms after checkpoint.promoting, lands while the
