@@ -22,7 +22,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -152,6 +152,11 @@ def _read_kib(pid: int, field_name: str) -> int:
     raise RuntimeError(f"{field_name} not in /proc/{pid}/status")
 
 
+def _toml(value: int | str) -> str:
+    """``value`` as a TOML literal (strings quoted as JSON quotes them, which TOML reads)."""
+    return json.dumps(value) if isinstance(value, str) else str(value)
+
+
 class Daemon:
     """``ckptd serve`` as a subprocess, with its stdout events readable as they come.
 
@@ -178,7 +183,7 @@ class Daemon:
         keep_events: bool = True,
         extra: Sequence[str] = (),
         tree: Path = REPO,
-        settings: dict[str, int] | None = None,
+        settings: Mapping[str, int | str] | None = None,
     ) -> None:
         self.tree = tree
         self.socket = str(workdir / "d.sock")
@@ -189,7 +194,7 @@ class Daemon:
         self.extra = list(extra)
         if settings:
             config = workdir / "bench.toml"
-            config.write_text("".join(f"{k} = {v}\n" for k, v in settings.items()))
+            config.write_text("".join(f"{k} = {_toml(v)}\n" for k, v in settings.items()))
             self.extra += ["--config", str(config)]
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self.seen: list[dict[str, Any]] = []

@@ -127,7 +127,7 @@ def _echo_server(work: Path, *flags: str) -> Any:
 @contextmanager
 def _daemon(work: Path, root: Path, kind: str, tree: Path) -> Any:
     state = None
-    settings: dict[str, Any] = {"max_open_saves": _MAX_OPEN}
+    settings: dict[str, int | str] = {"max_open_saves": _MAX_OPEN}
     if kind == "tmpfs":
         state = Path(tempfile.mkdtemp(prefix="ckb-", dir="/dev/shm"))
     elif kind == "asyncio":

@@ -5,10 +5,10 @@ backoff and re-sends what the daemon has not acknowledged. Calls from the traini
 thread only append a message to a queue: a relay thread wakes the loop, so the caller
 never waits for another thread's turn (a wake-up through the loop's self-pipe releases
 the GIL to the woken thread, which costs the caller tens of microseconds). ``done``,
-``fail`` and :meth:`CheckpointClient.track` cost microseconds; an acknowledged
-``begin`` waits for the daemon at most ``begin_timeout`` seconds (not at all while the
-daemon is known to be down), and :class:`PendingBegin` lets a save call overlap that
-wait with its own work.
+``fail`` and :meth:`CheckpointClient.track` cost microseconds; an awaited ``begin``
+waits for the daemon at most ``begin_timeout`` seconds (not at all while the daemon is
+known to be down), and :class:`PendingBegin` lets another thread (DCP's upload) do that
+waiting instead of the training thread.
 """
 
 from __future__ import annotations

@@ -66,14 +66,19 @@ def async_save(
 ) -> Any:
     """Start ``dcp.async_save`` of ``state_dict`` into step ``step`` and let ckptd promote it.
 
-    Sends ``begin`` to the daemon, calls ``dcp.async_save`` on a separate gloo group,
-    and returns once the daemon has acknowledged the ``begin`` (the wait overlaps DCP's
-    staging and planning, so it usually costs nothing). ``done`` with this rank's shard
-    files (or ``fail``) is reported when the upload completes; the training thread
-    never waits for the upload. All ranks of the group must call it.
+    Sends ``begin`` to the daemon and calls ``dcp.async_save`` on a separate gloo group.
+    The training thread does not wait for the daemon: DCP's upload thread does, before
+    it creates the directory or writes a byte (:class:`AfterBeginPlanner`), so the
+    daemon has journaled the save before anything of it lands. Only the first save of a
+    root in a process waits for the acknowledgement, which tells the client where the
+    root's steps go. ``done`` with this rank's shard files (or ``fail``) is reported
+    when the upload completes; the training thread never waits for the upload. All
+    ranks of the group must call it.
 
     A step written by several calls (model and optimizer in their own DCP directories)
-    must share one handle, or the daemon could promote the step after the first part::
+    must share one handle, or the daemon could promote the step after the first part
+    (``client.save`` waits for the acknowledgement; ``wait=False`` leaves that to the
+    upload threads here too)::
 
         handle = client.save(root, step, rank, world_size)
         async_save(model_sd, root=root, step=step, subdir="model", handle=handle)
@@ -106,11 +111,10 @@ def async_save(
         # group. Waiting is the only safe order (as torchtitan and NeMo-RL do).
         log.warning("ckptd: previous %r upload still running; waiting for it", subdir or ".")
         _wait_quietly(previous)
-    # The begin's acknowledgement is awaited after DCP's own work in this call, which it
-    # overlaps, and before the call returns. DCP's upload thread may start writing
-    # sooner: a planner that waits for the acknowledgement first keeps every write after
-    # it. (A caller's own planner, or an upload process the planner is pickled into,
-    # gets the plain order: wait, then save.)
+    # The upload waits for the begin's acknowledgement, not the training thread: a
+    # planner that waits first keeps every write after it. (A caller's own planner, or
+    # an upload process the planner would be pickled into, gets the plain order: the
+    # training thread waits, then saves.)
     gate = "planner" not in kwargs and (
         kwargs.get("async_checkpointer_type") != AsyncCheckpointerType.PROCESS
     )
@@ -132,7 +136,6 @@ def async_save(
     handle.add(result, dcp_dir=subdir or ".", group_rank=dist.get_rank(group))
     if seal:
         handle.seal()
-        _ = handle.begun
     return result
 
 
