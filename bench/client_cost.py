@@ -17,7 +17,8 @@ Baselines in the same run: ``Future.add_done_callback`` of a no-op plus nothing 
 more show the cost of a hand-off between threads: ``loop.call_soon_threadsafe`` into an
 idle asyncio loop thread (a wake-up through its self-pipe, which releases the GIL to the
 woken thread) and ``SimpleQueue.put`` to a thread blocked in ``get`` (the client's
-design: the caller keeps the GIL). Allocation growth: ``tracemalloc``'s traced size
+design: the caller keeps the GIL), the latter also after the taker slept 20 ms (the
+wake-up of an idle thread and CPU, which an isolated call pays). Allocation growth: ``tracemalloc``'s traced size
 after each tenth of 100,000 iterations of ``track()`` + completing the future
 (flushed, ``gc`` run), last minus first.
 
@@ -112,6 +113,7 @@ def run(
             base_set: list[float] = []
             handoff: list[float] = []
             handoff_q: list[float] = []
+            handoff_idle: list[float] = []
             track_new: list[float] = []
             track_again: list[float] = []
             begin_new: list[float] = []
@@ -155,6 +157,12 @@ def run(
 
                 add_seal.append(_time_ns(add_and_seal) / 1000)
                 fut.set_result(md)
+            # The same hand-off to a thread that has slept a while, as the client's relay
+            # has between two checkpoints: waking it is the kernel's (and hypervisor's)
+            # cross-CPU wake-up, paid by the caller.
+            for _ in range(min(n, 200)):
+                time.sleep(0.02)
+                handoff_idle.append(_time_ns(partial(inbox.put, 0)) / 1000)
             loop.call_soon_threadsafe(loop.stop)
             looper.join(10.0)
             loop.close()
@@ -208,7 +216,11 @@ def run(
     floor.note = "wakes the loop through its self-pipe: the woken thread takes the GIL"
     queued = _row("SimpleQueue.put", "hand-off to a blocked thread", handoff_q, None, "")
     queued.note = "the client's hand-off: the caller keeps the GIL"
-    rows += [ack, floor, queued]
+    idle = _row(
+        "SimpleQueue.put, taker idle 20 ms", "hand-off to a sleeping thread", handoff_idle, None, ""
+    )
+    idle.note = "the wake-up of a thread (and CPU) that was idle: what an isolated call pays"
+    rows += [ack, floor, queued, idle]
     growth = Row(
         "client_cost",
         f"{n_alloc:,} x track + done",
@@ -227,6 +239,7 @@ def run(
             "track_again_us": track_again,
             "begin_new_us": begin_new,
             "handoff_queue_us": handoff_q,
+            "handoff_idle_us": handoff_idle,
             "add_seal_us": add_seal,
             "callback_us": callback,
             "handoff_us": handoff,
