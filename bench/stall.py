@@ -225,7 +225,7 @@ def run(
     rows: list[Row] = []
     raw: dict[str, Any] = {}
     for mb in sizes:
-        n = saves or (3 if quick else (10 if mb < 512 else 6))
+        n = saves or (3 if quick else (30 if mb < 512 else 10))
         with scratch_dir() as base:
             samples, events = run_job(base, mb, n, 1, variants)
             size_rows, size_raw = _rows_for_size(mb, samples, events, base)

@@ -226,10 +226,17 @@ class CheckpointClient:
         key = (root, step, rank)
         with self._lock:
             self._saves.setdefault(key, world_size)
-            layout = self._layouts.get(root)
         future = self._submit(p.Begin(id=0, root=root, step=step, rank=rank, world_size=world_size))
-        path = None if layout is None else os.path.join(layout[0], f"{layout[1]}{step}")
+        path = self.step_path(root, step)
         return PendingBegin(self, step, future, path, os.path.join(root, f"tmp_step_{step}"))
+
+    def step_path(self, root: str, step: int) -> str | None:
+        """Where the daemon has ``step`` of ``root`` written, if this client knows yet.
+
+        Learned from the first acknowledged ``begin`` of the root; None before.
+        """
+        layout = self._layouts.get(root)
+        return None if layout is None else os.path.join(layout[0], f"{layout[1]}{step}")
 
     def done(self, root: str, step: int, rank: int, files: Iterable[p.FileEntry] = ()) -> None:
         """Report that this rank's writes for ``step`` have all landed. Never blocks."""

@@ -66,12 +66,13 @@ def async_save(
 ) -> Any:
     """Start ``dcp.async_save`` of ``state_dict`` into step ``step`` and let ckptd promote it.
 
-    Sends ``begin`` to the daemon and calls ``dcp.async_save`` on a separate gloo group.
+    Calls ``dcp.async_save`` on a separate gloo group and sends ``begin`` to the daemon.
     The training thread does not wait for the daemon: DCP's upload thread does, before
     it creates the directory or writes a byte (:class:`AfterBeginPlanner`), so the
     daemon has journaled the save before anything of it lands. Only the first save of a
-    root in a process waits for the acknowledgement, which tells the client where the
-    root's steps go. ``done`` with this rank's shard files (or ``fail``) is reported
+    root in a process sends ``begin`` first and waits for the acknowledgement, which
+    tells the client where the root's steps go; later ones send it after DCP's call
+    returns, so nothing of the client or the daemon runs during the call. ``done`` with this rank's shard files (or ``fail``) is reported
     when the upload completes; the training thread never waits for the upload. All
     ranks of the group must call it.
 
@@ -118,20 +119,37 @@ def async_save(
     gate = "planner" not in kwargs and (
         kwargs.get("async_checkpointer_type") != AsyncCheckpointerType.PROCESS
     )
+    planner = AfterBeginPlanner(handle) if gate else None
+    if planner is not None:
+        kwargs["planner"] = planner
     seal = handle is None
-    if handle is None:
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        handle = (client or default_client()).save(root, step, rank, world_size, wait=not gate)
-    if gate:
-        kwargs["planner"] = AfterBeginPlanner(handle)
-    checkpoint_id = os.path.join(handle.path, subdir) if subdir else handle.path
+    client = client or default_client()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    # Where the step goes is known once the client has learned the root's layout; the
+    # begin is then sent after DCP's call, so that neither the client's threads nor the
+    # daemon compete with the call for the CPU and the GIL.
+    path = client.step_path(root, step) if handle is None and planner is not None else None
+    if handle is None and path is None:
+        handle = client.save(root, step, rank, world_size, wait=planner is None)
+        if planner is not None:
+            planner.bind(handle)
+    base = handle.path if handle is not None else path
+    assert base is not None
+    checkpoint_id = os.path.join(base, subdir) if subdir else base
     try:
         result = dcp_async_save(
             state_dict, checkpoint_id=checkpoint_id, process_group=group, **kwargs
         )
     except BaseException as exc:  # CheckpointException derives from BaseException
-        handle.fail(f"async_save raised {describe(exc)}")
+        if handle is not None:
+            handle.fail(f"async_save raised {describe(exc)}")
+        elif planner is not None:
+            planner.bind(None)  # never begun: an upload DCP started must not write
         raise
+    if handle is None:
+        handle = client.save(root, step, rank, world_size, wait=False)
+        if planner is not None:
+            planner.bind(handle)
     _inflight[subdir] = _upload_future(result)
     handle.add(result, dcp_dir=subdir or ".", group_rank=dist.get_rank(group))
     if seal:
@@ -147,12 +165,21 @@ class AfterBeginPlanner(DefaultSavePlanner):
     (and, for a retried step, moved the failed attempt's files aside).
 
     Args:
-        handle: The save whose ``begin`` must be acknowledged first.
+        handle: The save whose ``begin`` must be acknowledged first; None to name it
+            later with :meth:`bind` (the upload waits for that too).
     """
 
-    def __init__(self, handle: SaveHandle) -> None:
+    def __init__(self, handle: SaveHandle | None = None) -> None:
         super().__init__()
         self._handle = handle
+        self._bound = threading.Event()
+        if handle is not None:
+            self._bound.set()
+
+    def bind(self, handle: SaveHandle | None) -> None:
+        """Name the save to wait for; None: the save never began, and must not write."""
+        self._handle = handle
+        self._bound.set()
 
     def set_up_planner(
         self,
@@ -160,7 +187,14 @@ class AfterBeginPlanner(DefaultSavePlanner):
         storage_meta: StorageMeta | None = None,
         is_coordinator: bool = False,
     ) -> None:
-        """Wait for the acknowledgement (bounded by the client), then set up as DCP does."""
+        """Wait for the acknowledgement (bounded by the client), then set up as DCP does.
+
+        Raises:
+            RuntimeError: the save was never begun (its save call failed).
+        """
+        self._bound.wait()
+        if self._handle is None:
+            raise RuntimeError("ckptd: the save call failed before the save was begun")
         _ = self._handle.begun
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
 
