@@ -91,7 +91,7 @@ class Config:
     TOML file): never."""
     log_level: str = "info"
     """Lowest event level written to stdout: debug, info, warning or error."""
-    max_connections: int = 1024
+    max_connections: int = 4096
     """Connections served at once; more are closed on accept with an error line."""
     max_open_saves: int = 10_000
     """Saves in flight at once; a ``begin`` for another new step gets ``too_busy``."""

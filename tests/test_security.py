@@ -100,6 +100,28 @@ class TestStalledClient:
             assert idle.request("ping")["ok"]
 
 
+class TestConnectionLimit:
+    """Connections beyond ``max_connections`` are turned away; a freed slot is reused."""
+
+    def test_over_the_limit_gets_too_busy(
+        self, daemon_factory: Factory, root: Path, tmp_path: Path
+    ) -> None:
+        config = tmp_path / "ckptd.toml"
+        config.write_text(f'max_connections = 2\n[[roots]]\npath = "{root}"\n')
+        daemon = daemon_factory([], "--config", str(config))
+        with LineClient(daemon.socket_path) as first, LineClient(daemon.socket_path) as second:
+            assert first.request("ping")["ok"] and second.request("ping")["ok"]
+            with LineClient(daemon.socket_path) as third:
+                refused = third.recv()
+                assert refused["error"]["code"] == "too_busy"
+                assert third.file.readline() == b""  # closed after the one line
+            assert first.request("ping")["ok"]  # those admitted are unaffected
+            second.close()
+            daemon.wait_event("client.disconnected", match=lambda e: e["conn"] == 2)
+            with LineClient(daemon.socket_path) as fourth:
+                assert fourth.request("ping")["ok"]
+
+
 class TestSymlinkConfinement:
     """Step directories that lead out of the root are refused."""
 
