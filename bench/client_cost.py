@@ -18,9 +18,9 @@ more show the cost of a hand-off between threads: ``loop.call_soon_threadsafe`` 
 idle asyncio loop thread (a wake-up through its self-pipe, which releases the GIL to the
 woken thread) and ``SimpleQueue.put`` to a thread blocked in ``get`` (the client's
 design: the caller keeps the GIL), the latter also after the taker slept 20 ms (the
-wake-up of an idle thread and CPU, which an isolated call pays). Allocation growth: ``tracemalloc``'s traced size
-after each tenth of 100,000 iterations of ``track()`` + completing the future
-(flushed, ``gc`` run), last minus first.
+wake-up of an idle thread and CPU, which an isolated call pays). Allocation growth:
+``tracemalloc``'s traced size after each tenth of 100,000 iterations of ``track()`` +
+completing the future (flushed, ``gc`` run), last minus first.
 
     .venv/bin/python -m bench.client_cost [--full] [--calls 100000]
 """

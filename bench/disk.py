@@ -28,12 +28,12 @@ def run(quick: bool = True, *, mb: int | None = None, saves: int | None = None) 
     """Run benchmark 3.
 
     Args:
-        quick: 64 MB per rank, 3 saves; full: 512 MB per rank, 6 saves.
+        quick: 64 MB per rank, 3 saves; full: 512 MB per rank, 10 saves.
         mb: MiB of state per rank (overrides the mode).
         saves: Timed saves (overrides the mode).
     """
     mb = mb or (64 if quick else 512)
-    saves = saves or (3 if quick else 6)
+    saves = saves or (3 if quick else 10)
     with scratch_dir() as base:
         samples, events = run_job(base, mb, saves, 1, ["c", "d", "disk"])
         times = promoted_times(events, str(base / "d"))

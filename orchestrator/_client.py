@@ -223,9 +223,6 @@ class CheckpointClient:
         The connection is one ordered stream, so the daemon sees this ``begin`` before
         any later ``done`` of the same step whether or not anyone waits for it.
         """
-        key = (root, step, rank)
-        with self._lock:
-            self._saves.setdefault(key, world_size)
         future = self._submit(p.Begin(id=0, root=root, step=step, rank=rank, world_size=world_size))
         path = self.step_path(root, step)
         return PendingBegin(self, step, future, path, os.path.join(root, f"tmp_step_{step}"))
@@ -483,8 +480,15 @@ class CheckpointClient:
             if isinstance(item, _Barrier):
                 self._loop.create_task(self._drained(item.future))
                 continue
-            item.message = msgspec.structs.replace(item.message, id=next(self._ids))
-            item.line = p.encode(item.message)
+            message = item.message = msgspec.structs.replace(item.message, id=next(self._ids))
+            if isinstance(message, p.Begin):
+                # An open save from now on: re-sent after a reconnect. (Recorded here, not
+                # by the caller, so a begin still on its way here is never sent twice.)
+                with self._lock:
+                    self._saves.setdefault(
+                        (message.root, message.step, message.rank), message.world_size
+                    )
+            item.line = p.encode(message)
             self._unacked[item.message.id] = item
             lines.append(item.line)
         while len(self._unacked) > _MAX_UNACKED:

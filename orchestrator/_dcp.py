@@ -72,9 +72,9 @@ def async_save(
     daemon has journaled the save before anything of it lands. Only the first save of a
     root in a process sends ``begin`` first and waits for the acknowledgement, which
     tells the client where the root's steps go; later ones send it after DCP's call
-    returns, so nothing of the client or the daemon runs during the call. ``done`` with this rank's shard files (or ``fail``) is reported
-    when the upload completes; the training thread never waits for the upload. All
-    ranks of the group must call it.
+    returns, so nothing of the client or the daemon runs during the call. ``done`` with
+    this rank's shard files (or ``fail``) is reported when the upload completes; the
+    training thread never waits for the upload. All ranks of the group must call it.
 
     A step written by several calls (model and optimizer in their own DCP directories)
     must share one handle, or the daemon could promote the step after the first part
