@@ -12,9 +12,10 @@ from ._tracking import SaveHandle, files_from_metadata
 from .protocol import FileEntry
 
 if TYPE_CHECKING:
-    from ._dcp import async_save, checkpoint_group, default_client
+    from ._dcp import AfterBeginPlanner, async_save, checkpoint_group, default_client
 
 __all__ = [
+    "AfterBeginPlanner",
     "Begun",
     "CheckpointClient",
     "DaemonError",
@@ -28,7 +29,7 @@ __all__ = [
     "files_from_metadata",
 ]
 
-_TORCH_NAMES = frozenset({"async_save", "checkpoint_group", "default_client"})
+_TORCH_NAMES = frozenset({"AfterBeginPlanner", "async_save", "checkpoint_group", "default_client"})
 
 
 def __getattr__(name: str) -> Any:
