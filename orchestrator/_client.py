@@ -425,8 +425,8 @@ class CheckpointClient:
     def _post(
         self, request: p.Request, future: concurrent.futures.Future[dict[str, Any]] | None
     ) -> None:
-        # Runs on the caller's thread: no encoding, no wake-up, nothing that releases the
-        # GIL. The relay thread hands the message to the loop.
+        # Runs on the caller's thread: no encoding and nothing that releases the GIL. The
+        # put wakes the relay thread (if it sleeps), which hands the message to the loop.
         if self._closed:
             if future is not None:
                 future.set_exception(DaemonError("closed", "the client is closed"))
