@@ -152,6 +152,26 @@ class TestTornTail:
 class TestCompaction:
     """Compaction replaces the journal with a snapshot, atomically."""
 
+    def test_compacts_between_batches_once_grown(self, tmp_path: Path) -> None:
+        path = tmp_path / "journal"
+        journal = Journal(str(path))
+        journal.open()
+        live = [RECORDS[0], RECORDS[1]]
+
+        async def main() -> None:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(journal.run, lambda: live, 4096)
+                for i in range(200):  # each batch alone: 200 appends, far past 4 KiB
+                    await journal.append([JBegin("/r", i, 0, 1, float(i))])
+                tg.cancel_scope.cancel()
+
+        anyio.run(main)
+        journal.close()
+        replayed = _reopen(path)
+        # Compacted to the snapshot at least once, then appended after it.
+        assert replayed[:2] == live and len(replayed) < 200
+        assert path.stat().st_size < 3 * 4096
+
     def test_compact_then_append(self, tmp_path: Path) -> None:
         path = tmp_path / "journal"
         _write(path, RECORDS * 50)
