@@ -13,22 +13,27 @@ from collections.abc import AsyncIterator
 from typing import Final, cast
 
 import anyio
-from anyio.abc import ByteReceiveStream
 
-__all__ = ["TOO_LONG", "LineSocket", "StalledLine", "read_lines"]
+__all__ = ["TOO_LONG", "LineSocket", "LineSplitter", "StalledLine"]
 
 TOO_LONG: Final = b""
 """Yielded in place of a line that exceeded the bound (real lines are never empty)."""
-
-_CHUNK: Final = 65536
 
 
 class StalledLine(TimeoutError):
     """Raised when a started line is not finished within the stall timeout."""
 
 
-class _Splitter:
-    """Cuts chunks into bounded lines (the rules of :func:`read_lines`)."""
+class LineSplitter:
+    """Cuts a byte stream, chunk by chunk, into bounded lines (newline stripped).
+
+    Blank lines are skipped. A line longer than ``max_line`` bytes (newline included)
+    yields :data:`TOO_LONG` once its end arrives; the bytes in between are dropped as
+    they come, so memory stays bounded by ``max_line`` plus one chunk.
+
+    Args:
+        max_line: Longest line in bytes, newline included.
+    """
 
     def __init__(self, max_line: int) -> None:
         self.max_line = max_line
@@ -64,44 +69,6 @@ class _Splitter:
         return bool(self.buf) or self.discarding
 
 
-async def read_lines(
-    stream: ByteReceiveStream, max_line: int, stall_timeout: float = 30.0
-) -> AsyncIterator[bytes]:
-    """Yield each newline-terminated line (newline stripped) of ``stream``.
-
-    Blank lines are skipped. A line longer than ``max_line`` bytes (newline included)
-    yields :data:`TOO_LONG` once its end arrives; the bytes in between are dropped as
-    they come, so memory stays bounded by ``max_line`` plus one chunk. An unterminated
-    tail at end of stream is dropped.
-
-    Raises:
-        StalledLine: a line was started but not finished within ``stall_timeout``
-            seconds (a client idle between whole lines may stay as long as it likes).
-    """
-    splitter = _Splitter(max_line)
-    lines: deque[bytes] = deque()
-    started: float | None = None  # when the unfinished line began
-    while True:
-        try:
-            if started is None:
-                chunk = await stream.receive(_CHUNK)
-            else:
-                # One deadline per line: trickling a byte at a time does not extend it.
-                with anyio.fail_after(max(0.0, started + stall_timeout - anyio.current_time())):
-                    chunk = await stream.receive(_CHUNK)
-        except TimeoutError:
-            raise StalledLine(f"a line was left unfinished for {stall_timeout:g}s") from None
-        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
-            return
-        splitter.feed(chunk, lines)
-        if lines:
-            started = None
-        while lines:
-            yield lines.popleft()
-        if started is None and splitter.partial:
-            started = anyio.current_time()
-
-
 class LineSocket(asyncio.Protocol):
     """A connected socket served by the event loop's transport: lines in, bytes out.
 
@@ -112,12 +79,12 @@ class LineSocket(asyncio.Protocol):
     client is not reading its replies.
 
     Args:
-        max_line: Longest line in bytes, newline included (see :func:`read_lines`).
+        max_line: Longest line in bytes, newline included (see :class:`LineSplitter`).
         stall_timeout: Seconds a started line may stay unfinished.
     """
 
     def __init__(self, max_line: int, stall_timeout: float) -> None:
-        self._splitter = _Splitter(max_line)
+        self._splitter = LineSplitter(max_line)
         self._stall_timeout = stall_timeout
         self._lines: deque[bytes] = deque()
         self._started: float | None = None
@@ -184,7 +151,7 @@ class LineSocket(asyncio.Protocol):
     # -- the connection's side --
 
     async def lines(self) -> AsyncIterator[bytes]:
-        """Each line, as :func:`read_lines` yields them, until end of input.
+        """Each line, as :class:`LineSplitter` cuts them, until end of input.
 
         Raises:
             StalledLine: a line was left unfinished for ``stall_timeout`` seconds.

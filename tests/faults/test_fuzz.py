@@ -5,15 +5,14 @@ from __future__ import annotations
 import signal
 import socket
 import threading
+from collections import deque
 from pathlib import Path
 
-import anyio
 import pytest
-from anyio.streams.buffered import BufferedByteReceiveStream
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon._framing import read_lines
+from daemon._framing import LineSplitter
 from orchestrator.protocol import MAX_LINE
 from tests.conftest import LineClient
 from tests.faults.frames import expected_replies
@@ -36,18 +35,15 @@ class TestFuzzSample:
 
 
 def _lines_read(data: bytes, chunk: int) -> int:
-    """Lines the daemon's own line reader yields for ``data`` sent in ``chunk``-byte pieces."""
+    """Lines the daemon's own line splitter yields for ``data`` fed in ``chunk``-byte pieces.
 
-    async def main() -> int:
-        send, receive = anyio.create_memory_object_stream[bytes](len(data) // chunk + 2)
-        with send, receive:
-            for i in range(0, len(data), chunk):
-                send.send_nowait(data[i : i + chunk])
-            send.close()
-            stream = BufferedByteReceiveStream(receive)
-            return len([line async for line in read_lines(stream, MAX_LINE)])
-
-    return anyio.run(main)
+    An unterminated tail is never a line (the daemon drops it at end of input).
+    """
+    splitter = LineSplitter(MAX_LINE)
+    lines: deque[bytes] = deque()
+    for i in range(0, len(data), chunk):
+        splitter.feed(data[i : i + chunk], lines)
+    return len(lines)
 
 
 class TestReplyOracle:
