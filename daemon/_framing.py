@@ -75,8 +75,9 @@ class LineSocket(asyncio.Protocol):
     The loop keeps the socket registered and hands over what arrives, so waiting for the
     next request costs no system call; a reply is written at once, from the caller,
     without a lock or a task switch. Both directions are bounded: reading pauses while
-    :data:`_MAX_PENDING` lines wait to be taken, and :meth:`drain` waits while the
-    client is not reading its replies.
+    lines of ``max_line`` bytes in all (or :data:`_MAX_PENDING` lines) wait to be taken,
+    so a connection holds at most about twice ``max_line`` plus one read of received
+    data; and :meth:`drain` waits while the client is not reading its replies.
 
     Args:
         max_line: Longest line in bytes, newline included (see :class:`LineSplitter`).
@@ -87,6 +88,8 @@ class LineSocket(asyncio.Protocol):
         self._splitter = LineSplitter(max_line)
         self._stall_timeout = stall_timeout
         self._lines: deque[bytes] = deque()
+        self._pending = 0  # bytes in _lines
+        self._max_pending = max_line
         self._started: float | None = None
         self._transport: asyncio.Transport | None = None
         self._readable: asyncio.Future[None] | None = None
@@ -106,6 +109,11 @@ class LineSocket(asyncio.Protocol):
         )
         return protocol
 
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not yet taken as lines (the partial line included)."""
+        return self._pending + len(self._splitter.buf)
+
     # -- protocol callbacks (the loop calls these) --
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -119,12 +127,16 @@ class LineSocket(asyncio.Protocol):
         self._splitter.feed(data, self._lines)
         if len(self._lines) > count:
             self._started = None
+            self._pending += sum(len(self._lines[i]) for i in range(count, len(self._lines)))
         if self._started is None and self._splitter.partial:
             self._started = asyncio.get_running_loop().time()
-        if len(self._lines) >= _MAX_PENDING and self._transport is not None:
+        if self._full() and self._transport is not None and not self._reading_paused:
             self._transport.pause_reading()
             self._reading_paused = True
         _wake(self._readable)
+
+    def _full(self) -> bool:
+        return self._pending >= self._max_pending or len(self._lines) >= _MAX_PENDING
 
     def eof_received(self) -> bool:
         """The client shut down its sending side: keep the connection open for replies."""
@@ -159,11 +171,13 @@ class LineSocket(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         while True:
             while self._lines:
-                if self._reading_paused and len(self._lines) <= _MAX_PENDING // 2:
+                line = self._lines.popleft()
+                self._pending -= len(line)
+                if self._reading_paused and not self._full():
                     self._reading_paused = False
                     if self._transport is not None and not self.lost:
                         self._transport.resume_reading()
-                yield self._lines.popleft()
+                yield line
             if self._eof:
                 return
             self._readable = loop.create_future()
