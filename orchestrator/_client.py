@@ -178,10 +178,13 @@ class CheckpointClient:
         self.begin_timeout = begin_timeout
         self._reconnect_max = reconnect_max
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _handles (touched from callers' threads)
+        self._handles: set[SaveHandle] = set()
+        # Touched only on the I/O thread: unacknowledged messages, open saves to re-send
+        # after a reconnect, and each root's layout (read elsewhere with a plain, atomic
+        # dict lookup).
         self._unacked: dict[int, _Outgoing] = {}
         self._saves: dict[tuple[str, int, int], int] = {}
-        self._handles: set[SaveHandle] = set()
         self._layouts: dict[str, tuple[str, str]] = {}  # root -> (directory, tmp prefix)
         self._outbox: queue.SimpleQueue[_Outgoing | _Barrier | None] = queue.SimpleQueue()
         self._writer: asyncio.StreamWriter | None = None
@@ -484,10 +487,9 @@ class CheckpointClient:
             if isinstance(message, p.Begin):
                 # An open save from now on: re-sent after a reconnect. (Recorded here, not
                 # by the caller, so a begin still on its way here is never sent twice.)
-                with self._lock:
-                    self._saves.setdefault(
-                        (message.root, message.step, message.rank), message.world_size
-                    )
+                self._saves.setdefault(
+                    (message.root, message.step, message.rank), message.world_size
+                )
             item.line = p.encode(message)
             self._unacked[item.message.id] = item
             lines.append(item.line)
@@ -536,8 +538,7 @@ class CheckpointClient:
 
     def _resend(self, writer: asyncio.StreamWriter) -> None:
         # Saves in flight first, so a restarted daemon learns of them before their done.
-        with self._lock:
-            open_saves = dict(self._saves)
+        open_saves = dict(self._saves)
         queued = {
             (m.root, m.step, m.rank)
             for o in self._unacked.values()
@@ -593,8 +594,8 @@ class CheckpointClient:
         if isinstance(message, p.Begin | p.Done | p.Fail) and (
             not reply.get("ok") or not isinstance(message, p.Begin)
         ):
-            with self._lock:  # settled, or refused: nothing left to re-send after a reconnect
-                self._saves.pop((message.root, message.step, message.rank), None)
+            # Settled, or refused: nothing left to re-send after a reconnect.
+            self._saves.pop((message.root, message.step, message.rank), None)
         if isinstance(message, p.Begin) and reply.get("ok"):
             self._learn_layout(message, reply.get("path"))
         if not reply.get("ok") and isinstance(message, p.Begin | p.Done | p.Fail):
@@ -616,9 +617,8 @@ class CheckpointClient:
         directory, name = os.path.split(path)
         suffix = str(begin.step)
         layout = (directory, name[: -len(suffix)])
-        if name.endswith(suffix) and self._layouts.get(begin.root) != layout:
-            with self._lock:  # learned once; again only if the daemon's layout changed
-                self._layouts[begin.root] = layout
+        if name.endswith(suffix):  # learned once; again if the daemon's layout changed
+            self._layouts[begin.root] = layout
 
     def _resend_one(self, rid: int) -> None:
         outgoing = self._unacked.get(rid)
