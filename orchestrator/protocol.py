@@ -20,9 +20,14 @@ from typing import Annotated, Any, Final, Literal
 import msgspec
 
 __all__ = [
+    "ATTEMPT_MARKER",
+    "LAYOUT_FILE",
     "MAX_LINE",
+    "MAX_REPLY",
     "PROTOCOL_VERSION",
     "Ack",
+    "AttemptId",
+    "AttemptMarker",
     "Begin",
     "BeginReply",
     "Done",
@@ -61,6 +66,18 @@ MAX_LINE: Final = 1024 * 1024
 PROTOCOL_VERSION: Final = 1
 """Bumped on any incompatible change to a message's shape."""
 
+MAX_REPLY: Final = 256 * 1024 * 1024
+"""Longest reply line a client must accept (a ``status`` of many large saves is long)."""
+
+ATTEMPT_MARKER: Final = ".ckptd-attempt"
+"""File in ``tmp_step_N`` naming the attempt that owns the directory (JSON,
+:class:`AttemptMarker`); written by the daemon before it acknowledges a new attempt."""
+
+LAYOUT_FILE: Final = ".ckptd-layout.json"
+"""File in each configured root describing how its directories are named (JSON,
+:class:`RootInfo`); written by the daemon at start, so that a client can name a step's
+directory while the daemon is unreachable."""
+
 
 def default_socket_path(env: Mapping[str, str] | None = None) -> str:
     """Where the daemon listens and clients connect when no path is given.
@@ -90,6 +107,8 @@ PathStr = Annotated[str, msgspec.Meta(min_length=1, max_length=_MAX_PATH)]
 Reason = Annotated[str, msgspec.Meta(max_length=_MAX_REASON)]
 RequestId = Annotated[int, msgspec.Meta(ge=-_I64, le=_I64)]
 Seconds = Annotated[float, msgspec.Meta(ge=0, le=7 * 24 * 3600)]
+AttemptId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
+"""An attempt's id: what the daemon put in the ``begin`` reply (1-64 of ``A-Za-z0-9._-``)."""
 
 
 class ErrorCode(enum.StrEnum):
@@ -121,6 +140,11 @@ class ErrorCode(enum.StrEnum):
     """``done``/``fail`` for a rank that never sent ``begin`` for that step."""
     INVALID_STATE = "invalid_state"
     """The request does not fit the save's current state (e.g. ``fail`` after ``done``)."""
+    STALE_ATTEMPT = "stale_attempt"
+    """``begin``/``done``/``fail`` names an attempt that is not the step's current one (an
+    earlier, failed or replaced run of the job); nothing was changed."""
+    STEP_CLOSED = "step_closed"
+    """``begin`` for a step that is being verified or promoted: no writer may join it."""
     UNVERIFIABLE = "unverifiable"
     """``promote`` refused: the files on disk do not prove the step complete."""
     NOT_FOUND = "not_found"
@@ -175,7 +199,9 @@ class Begin(_Request, frozen=True, tag="begin"):
     """A rank is about to write into ``ROOT/<tmp_prefix><step>/``. Idempotent.
 
     ``resent`` marks a begin repeated on a new connection after a reconnect: it can never
-    start a failed step over, only re-attach to the attempt it belongs to.
+    start a failed step over, only re-attach to the attempt it belongs to. ``attempt``
+    names that attempt (from the first ``begin`` reply); a begin naming an attempt that
+    is not the step's current one is refused with ``stale_attempt``.
     """
 
     root: PathStr
@@ -183,24 +209,34 @@ class Begin(_Request, frozen=True, tag="begin"):
     rank: Rank
     world_size: WorldSize
     resent: bool = False
+    attempt: AttemptId | None = None
 
 
 class Done(_Request, frozen=True, tag="done"):
-    """A rank's writes for the step have all landed."""
+    """A rank's writes for the step have all landed.
+
+    With ``attempt``, refused (``stale_attempt``) unless it is the step's current attempt.
+    """
 
     root: PathStr
     step: Step
     rank: Rank
     files: Annotated[list[FileEntry], msgspec.Meta(max_length=_MAX_FILES)] = []
+    attempt: AttemptId | None = None
 
 
 class Fail(_Request, frozen=True, tag="fail"):
-    """A rank's save failed; the step must never be promoted."""
+    """A rank's save failed; the step must never be promoted.
+
+    With ``attempt``, refused (``stale_attempt``) unless it is the step's current attempt:
+    a rank of an earlier attempt cannot fail the one that replaced it.
+    """
 
     root: PathStr
     step: Step
     rank: Rank
     reason: Reason
+    attempt: AttemptId | None = None
 
 
 class Wait(_Request, frozen=True, tag="wait"):
@@ -280,10 +316,14 @@ class PingReply(_Reply, frozen=True, kw_only=True):
 
 
 class BeginReply(_Reply, frozen=True, kw_only=True):
-    """Reply to ``begin``: where to write, and the save's current state."""
+    """Reply to ``begin``: where to write, the save's state, and the attempt it joined.
+
+    ``path`` exists when the reply is sent, and holds the attempt's marker.
+    """
 
     path: str
     state: SaveState
+    attempt: str = ""
 
 
 class WaitReply(_Reply, frozen=True, kw_only=True):
@@ -292,6 +332,7 @@ class WaitReply(_Reply, frozen=True, kw_only=True):
     state: Literal["promoted", "failed", "pending"]
     path: str | None = None
     reason: str | None = None
+    attempt: str | None = None
 
 
 class RankInfo(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -317,6 +358,9 @@ class SaveInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     ranks: list[RankInfo]
     path: str | None = None
     reason: str | None = None
+    attempt: str | None = None
+    set_aside: str | None = None
+    """Where a failed attempt's files were moved (inside the root's trash)."""
 
 
 class RootInfo(msgspec.Struct, frozen=True):
@@ -326,6 +370,18 @@ class RootInfo(msgspec.Struct, frozen=True):
     tmp_prefix: str
     final_prefix: str
     pointer: str
+
+
+class AttemptMarker(msgspec.Struct, frozen=True, kw_only=True):
+    """What :data:`ATTEMPT_MARKER` holds: the attempt that owns a ``tmp_step_N``."""
+
+    format: str = "ckptd-attempt/1"
+    attempt: str
+    root: str
+    step: int
+    world_size: int
+    created: str
+    """When the attempt began (ISO 8601, UTC)."""
 
 
 class StatusReply(_Reply, frozen=True, kw_only=True):

@@ -762,6 +762,7 @@ class TestWait:
             "state": "promoted",
             "path": str(root / "step_42"),
             "reason": None,
+            "attempt": None,
         }
 
     def test_wait_for_step_promoted_before_the_daemon_started(
