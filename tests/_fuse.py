@@ -1,0 +1,88 @@
+"""Real FUSE mounts (bindfs) for tests of hung and caching filesystems.
+
+``bindfs BACKING MOUNT`` serves ``BACKING`` at ``MOUNT`` through a FUSE server process.
+Stopping that process with ``SIGSTOP`` makes every call on the mount block until
+``SIGCONT``, as calls on a hung NFS server do; with short ``entry_timeout`` /
+``attr_timeout`` options the mount caches lookups and attributes as NFS clients do.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from tests._system import require_root, require_tool
+
+__all__ = ["BindMount", "bindfs_mount"]
+
+CACHING = "entry_timeout=1,attr_timeout=1,negative_timeout=1"
+"""bindfs options that make a mount cache like an NFS client (for about a second)."""
+
+
+class BindMount:
+    """A running ``bindfs -f`` process serving one mount."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], mount: Path) -> None:
+        self.proc = proc
+        self.mount = mount
+        self.stopped = False
+
+    @property
+    def pid(self) -> int:
+        """The FUSE server's pid."""
+        return self.proc.pid
+
+    def stop(self) -> None:
+        """Hang the filesystem: every call on the mount blocks until :meth:`cont`."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        self.stopped = True
+
+    def cont(self) -> None:
+        """Let the filesystem answer again."""
+        os.kill(self.proc.pid, signal.SIGCONT)
+        self.stopped = False
+
+
+def _mounted(path: Path) -> bool:
+    target = os.fsencode(os.path.realpath(path))
+    with open("/proc/self/mountinfo", "rb") as fh:
+        return any(line.split()[4] == target for line in fh if len(line.split()) > 4)
+
+
+@contextmanager
+def bindfs_mount(backing: Path, mount: Path, options: str = "") -> Iterator[BindMount]:
+    """Serve ``backing`` at ``mount`` through bindfs for the duration of the block.
+
+    Skips the test (fails it in CI) without bindfs or root. On exit the server is
+    continued if it was stopped, then the mount is removed, whatever the block did.
+    """
+    require_tool("bindfs")
+    require_root("FUSE mounts")
+    mount.mkdir(parents=True, exist_ok=True)
+    cmd = ["bindfs", "-f", *(["-o", options] if options else []), str(backing), str(mount)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 10.0
+    while not _mounted(mount):  # bindfs -f gives no readiness signal but the mount itself
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            err = proc.communicate()[1].decode(errors="replace")
+            raise RuntimeError(f"bindfs did not mount {mount}: {err.strip()}")
+        time.sleep(0.01)
+    handle = BindMount(proc, mount)
+    try:
+        yield handle
+    finally:
+        if handle.stopped:
+            handle.cont()
+        subprocess.run(["fusermount", "-u", "-z", str(mount)], check=False, capture_output=True)
+        proc.terminate()
+        try:
+            proc.wait(10.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
