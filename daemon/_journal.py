@@ -33,7 +33,9 @@ __all__ = [
     "JPromoted",
     "JRescue",
     "JSaveFailed",
+    "JSetAside",
     "Journal",
+    "JournalFormatError",
     "JournalRecord",
     "Replay",
     "frame",
@@ -51,11 +53,17 @@ class _Record(msgspec.Struct, frozen=True, tag_field="t", array_like=True):
 
 
 class JBegin(_Record, frozen=True, tag="b"):
-    """A rank began a save (wall-clock ``at``)."""
+    """A rank began a save (wall-clock ``at``) as part of attempt ``attempt``.
+
+    A begin whose attempt differs from the step's current one, or that follows the
+    step's failure, starts a new attempt. (``attempt`` is last and optional, so records
+    written before attempts had ids still decode, as attempt "".)
+    """
 
     rank: int
     world_size: int
     at: float
+    attempt: str = ""
 
 
 class JDone(_Record, frozen=True, tag="d"):
@@ -96,17 +104,37 @@ class JRescue(_Record, frozen=True, tag="r"):
     """An operator asked to promote the step (``ckptd promote``)."""
 
     at: float
+    attempt: str = ""
 
 
 class JForget(_Record, frozen=True, tag="g"):
     """``gc`` removed the save's files; forget it."""
 
 
-JournalRecord = JBegin | JDone | JFail | JSaveFailed | JIntent | JPromoted | JRescue | JForget
+class JSetAside(_Record, frozen=True, tag="a"):
+    """The failed attempt ``attempt``'s directory was moved to ``path`` (in the trash)."""
+
+    attempt: str
+    path: str
+    at: float
+
+
+JournalRecord = (
+    JBegin | JDone | JFail | JSaveFailed | JIntent | JPromoted | JRescue | JForget | JSetAside
+)
 """Every kind of journal record."""
 
 _encoder: Final = msgspec.msgpack.Encoder()
 _decoder: Final = msgspec.msgpack.Decoder(JournalRecord)
+
+
+class JournalFormatError(ValueError):
+    """Raised by :func:`parse` for an intact record this version cannot read.
+
+    Its checksum matches, so it is no torn tail: it was written by a newer ckptd.
+    Replaying around it or cutting the journal there would lose acknowledged state, so
+    the daemon refuses to start instead.
+    """
 
 
 def frame(record: JournalRecord) -> bytes:
@@ -294,10 +322,15 @@ class Journal:
 
 
 def parse(data: bytes) -> Replay:
-    """Every intact record of a journal's bytes, stopping at the first bad frame.
+    """Every intact record of a journal's bytes, stopping at the first torn frame.
+
+    A frame whose length runs past the end or whose checksum does not match is a torn
+    tail (a crash mid-write, a bad sector): it and everything after it are dropped. A
+    frame that is intact but cannot be decoded was written by another version.
 
     Raises:
         ValueError: ``data`` does not start with the journal header.
+        JournalFormatError: an intact record of a kind or shape this version does not know.
     """
     if not data.startswith(_MAGIC):
         if _MAGIC.startswith(data):  # empty, or a crash while its header was written
@@ -321,9 +354,13 @@ def parse(data: bytes) -> Replay:
             break
         try:
             records.append(_decoder.decode(payload))
-        except msgspec.DecodeError:
-            problem = "undecodable record"
-            break
+        except msgspec.DecodeError as exc:
+            raise JournalFormatError(
+                f"intact record {len(records) + 1} at byte {pos} cannot be read by this "
+                f"version ({exc}); it was probably written by a newer ckptd. Refusing to "
+                "start rather than lose acknowledged state: run the newer version, or move "
+                "the state directory aside to start empty"
+            ) from None
         pos = end
     return Replay(records, pos, len(data) - pos, problem)
 

@@ -15,8 +15,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from orchestrator.protocol import ErrorCode, FileEntry, RankState, SaveState
 
@@ -31,87 +30,36 @@ from ._journal import (
     JPromoted,
     JRescue,
     JSaveFailed,
+    JSetAside,
 )
+from ._saves import (
+    Effect,
+    Emit,
+    RankRecord,
+    SaveKey,
+    SaveRecord,
+    SetAside,
+    Settled,
+    Verify,
+    ranges,
+)
+from ._saves import ids as _ids
 
-__all__ = ["Effect", "Emit", "Ledger", "RankRecord", "SaveKey", "SaveRecord", "Settled", "Verify"]
+__all__ = [
+    "Effect",
+    "Emit",
+    "Ledger",
+    "RankRecord",
+    "SaveKey",
+    "SaveRecord",
+    "SetAside",
+    "Settled",
+    "Verify",
+]
 
 _TERMINAL = frozenset({SaveState.PROMOTED, SaveState.FAILED})
-_PROMOTED_OWN = frozenset({"root", "step", "path", "duration_s"})
-
-
-class SaveKey(NamedTuple):
-    """Identity of one checkpoint: its configured root and its step."""
-
-    root: str
-    step: int
-
-
-@dataclass(frozen=True, slots=True)
-class Emit:
-    """Effect: log and publish the event ``name`` with ``fields``."""
-
-    name: str
-    fields: dict[str, Any]
-    level: str = "info"
-
-
-@dataclass(frozen=True, slots=True)
-class Verify:
-    """Effect: every rank is done; verify the save's files and, if sound, promote it."""
-
-    key: SaveKey
-
-
-@dataclass(frozen=True, slots=True)
-class Settled:
-    """Effect: the save reached a terminal state; wake whoever waits for it."""
-
-    key: SaveKey
-
-
-Effect = Emit | Verify | Settled
-
-
-@dataclass(slots=True)
-class RankRecord:
-    """One writer of a save."""
-
-    state: RankState
-    begun_at: float
-    conn: int | None
-    lease_deadline: float | None = None
-    files: tuple[FileEntry, ...] = ()
-    reason: str | None = None
-
-
-@dataclass(slots=True)
-class SaveRecord:
-    """One checkpoint step and its writers."""
-
-    key: SaveKey
-    world_size: int
-    first_begin: float
-    deadline: float | None
-    state: SaveState = SaveState.OPEN
-    ranks: dict[int, RankRecord] = field(default_factory=dict)
-    reason: str | None = None
-    path: str | None = None
-    settled_at: float | None = None
-    rescued: bool = False
-    conns: set[int] = field(default_factory=set)
-    """Connections that wrote this attempt (this daemon run): their begins never restart it."""
-
-    def missing_ranks(self) -> list[int]:
-        """Ranks that have not begun, or have begun but are not done."""
-        return [
-            r
-            for r in range(self.world_size)
-            if r not in self.ranks or self.ranks[r].state is not RankState.DONE
-        ]
-
-    def reported_files(self) -> dict[int, tuple[FileEntry, ...]]:
-        """The files each rank listed in its ``done``."""
-        return {rank: rec.files for rank, rec in sorted(self.ranks.items())}
+_CLOSED = frozenset({SaveState.VERIFYING, SaveState.PROMOTING})
+_PROMOTED_OWN = frozenset({"root", "step", "path", "duration_s", "attempt"})
 
 
 class Ledger:
@@ -184,16 +132,31 @@ class Ledger:
         now: float,
         *,
         resent: bool = False,
+        attempt: str | None = None,
+        fresh: str = "",
     ) -> list[Effect]:
         """A rank announces it is about to write the step.
 
         Idempotent: a repeated ``begin`` (e.g. after a reconnect) re-attaches the rank to
-        ``conn`` and cancels its lease. A first ``begin`` (not ``resent``) for a failed
-        step that no live connection still writes starts a new attempt (see
-        :meth:`starts_new_attempt`).
+        ``conn`` and cancels its lease. A first ``begin`` of a step, or one for a failed
+        step from a process that took no part in the failed attempt (see
+        :meth:`starts_new_attempt`), starts a new attempt with the id ``fresh``. No writer
+        joins a step that has left ``OPEN``: only a rank that is already done, re-sending
+        its begin after a reconnect, is answered there.
+
+        Args:
+            key: The save.
+            rank: The writer.
+            world_size: Ranks writing the step.
+            conn: The connection it arrived on (None in replay).
+            now: Ledger time.
+            resent: Re-sent by a client after a reconnect.
+            attempt: The attempt the client says it belongs to, if it knows.
+            fresh: The id a new attempt gets, if this begin starts one.
 
         Raises:
-            RequestError: rank out of range, world size mismatch, step promoted or failed.
+            RequestError: rank out of range, world size mismatch, a stale attempt, the
+                step closed to writers, promoted or failed.
         """
         if rank >= world_size:
             raise RequestError(
@@ -201,18 +164,32 @@ class Ledger:
             )
         effects: list[Effect] = []
         save = self._saves.get(key)
-        if save is not None and self.starts_new_attempt(key, conn, resent=resent):
+        if save is not None and attempt is not None and attempt != save.attempt:
+            raise RequestError(
+                ErrorCode.STALE_ATTEMPT,
+                f"attempt {attempt} of step {key.step} is not its current attempt "
+                f"{save.attempt or '(unnamed)'}; nothing was changed",
+            )
+        if save is not None and self.starts_new_attempt(key, conn, resent=resent, attempt=attempt):
             effects.append(
                 Emit(
                     "save.retried",
-                    {"root": key.root, "step": key.step, "previous_reason": save.reason},
+                    {
+                        "root": key.root,
+                        "step": key.step,
+                        "attempt": fresh,
+                        "previous_attempt": save.attempt,
+                        "previous_reason": save.reason,
+                    },
                     "warning",
                 )
             )
             save = None  # the failed attempt stays in history until it is pruned
         if save is None:
             deadline = None if self._save_timeout is None else now + self._save_timeout
-            save = SaveRecord(key=key, world_size=world_size, first_begin=now, deadline=deadline)
+            save = SaveRecord(
+                key=key, world_size=world_size, first_begin=now, deadline=deadline, attempt=fresh
+            )
             self._saves[key] = save
             self._unsettled += 1
             if deadline is not None:
@@ -222,35 +199,53 @@ class Ledger:
                 ErrorCode.WORLD_SIZE_MISMATCH,
                 f"step {key.step} has world_size {save.world_size}, not {world_size}",
             )
-        self._expired_first(save, now)
-        self._refuse_settled(save)
+        if not self._replaying:  # replay rebuilds what happened; expiry is rearm's job
+            self._expired_first(save, now)
         record = save.ranks.get(rank)
+        if save.state is not SaveState.OPEN:
+            # Only a begin re-sent after a reconnect, or one naming this attempt, comes
+            # from a writer the step already has; any other would be a new writer.
+            own = resent or attempt == save.attempt
+            if (
+                record is not None
+                and record.state is RankState.DONE
+                and own
+                and save.state is not SaveState.FAILED
+            ):
+                return self._reattach(save, rank, record, conn)  # a done rank, reconnected
+            self._refuse_settled(save)
+            raise RequestError(
+                ErrorCode.STEP_CLOSED,
+                f"step {key.step} is {save.state}: no writer may join it any more",
+            )
         if record is not None:
             return self._reattach(save, rank, record, conn)
-        if save.state is not SaveState.OPEN:  # pragma: no cover - all ranks have begun then
-            raise RequestError(ErrorCode.INVALID_STATE, f"step {key.step} is {save.state}")
         save.ranks[rank] = RankRecord(state=RankState.WRITING, begun_at=now, conn=conn)
         self._attach(conn, key, rank)
         if conn is not None:
             save.conns.add(conn)
-        self._record(JBegin(key.root, key.step, rank, world_size, now))
-        return [*effects, Emit("save.begun", {**_ids(key, rank), "world_size": world_size})]
+        self._record(JBegin(key.root, key.step, rank, world_size, now, save.attempt))
+        fields = {**_ids(key, rank), "world_size": world_size, "attempt": save.attempt}
+        return [*effects, Emit("save.begun", fields)]
 
-    def starts_new_attempt(self, key: SaveKey, conn: int | None, *, resent: bool = False) -> bool:
+    def starts_new_attempt(
+        self, key: SaveKey, conn: int | None, *, resent: bool = False, attempt: str | None = None
+    ) -> bool:
         """Whether a ``begin`` for ``key`` from ``conn`` would start the step over.
 
         True for a failed step and a ``begin`` from a process that took no part in the
-        failed attempt: not on one of its connections, and not re-sent after a
-        reconnect. That is a job that crashed while saving step N, resumed from an
-        earlier checkpoint and saves step N again. The server moves the old files aside
-        first. A late ``begin`` from the failed attempt itself is refused instead.
+        failed attempt: not on one of its connections, not re-sent after a reconnect,
+        and not naming an attempt. That is a job that crashed while saving step N,
+        resumed from an earlier checkpoint and saves step N again; the failed attempt's
+        directory was set aside when it failed. A late ``begin`` from the failed attempt
+        itself is refused instead.
         """
         save = self._saves.get(key)
         if save is None or save.state is not SaveState.FAILED:
             return False
         if self._replaying:  # only a new attempt was ever journaled after a failure
             return True
-        return not resent and conn not in save.conns
+        return not resent and attempt is None and conn not in save.conns
 
     def done(
         self,
@@ -259,16 +254,20 @@ class Ledger:
         files: Sequence[FileEntry],
         conn: int | None,
         now: float,
+        *,
+        attempt: str | None = None,
     ) -> list[Effect]:
         """A rank's writes have all landed. Idempotent once accepted.
 
         Raises:
-            RequestError: the rank never began, already failed, or the step failed.
+            RequestError: the rank never began, already failed, the step failed, or
+                ``attempt`` is not the step's current attempt.
         """
-        save, record = self._rank(key, rank)
+        save, record = self._rank(key, rank, attempt)
         if record.state is RankState.DONE:
             return []
-        self._expired_first(save, now)
+        if not self._replaying:
+            self._expired_first(save, now)
         if save.state is SaveState.FAILED:
             raise RequestError(ErrorCode.STEP_FAILED, f"step {key.step} failed: {save.reason}")
         self._refuse_when_rescued(save, rank)
@@ -293,14 +292,17 @@ class Ledger:
             effects.append(Verify(key))
         return effects
 
-    def fail(self, key: SaveKey, rank: int, reason: str, now: float) -> list[Effect]:
+    def fail(
+        self, key: SaveKey, rank: int, reason: str, now: float, *, attempt: str | None = None
+    ) -> list[Effect]:
         """A rank's save failed: the step fails and is never promoted.
 
         Raises:
             RequestError: the rank never began, the step is promoted or being promoted,
-                or the rank already reported success.
+                the rank already reported success, or ``attempt`` is not the step's
+                current attempt.
         """
-        save, record = self._rank(key, rank)
+        save, record = self._rank(key, rank, attempt)
         if save.state is SaveState.FAILED:
             return []
         if save.state in (SaveState.PROMOTED, SaveState.PROMOTING):
@@ -364,7 +366,7 @@ class Ledger:
         if save.deadline is not None and save.deadline <= now:
             reason = (
                 f"timed out after {now - save.first_begin:.1f}s; "
-                f"ranks not done: {_ranges(save.missing_ranks())}"
+                f"ranks not done: {ranges(save.missing_ranks())}"
             )
             return self._fail_save(save, reason, now)
         return []
@@ -404,6 +406,7 @@ class Ledger:
             "root": key.root,
             "step": key.step,
             "path": path,
+            "attempt": save.attempt,
             **extra,
             "duration_s": round(now - save.first_begin, 6),
         }
@@ -419,19 +422,27 @@ class Ledger:
             return []
         return self._fail_save(save, reason, now)
 
-    def rescue(self, key: SaveKey, now: float) -> list[Effect]:
+    def rescue(self, key: SaveKey, now: float, *, attempt: str = "") -> list[Effect]:
         """An operator vouches for a step: verify it and, if sound, promote it.
 
         The one way out of ``FAILED``, and only on an explicit command: for a step
         whose trainer died after its writes landed. Ranks still writing on a live
         connection, or a promotion under way, refuse it.
 
+        Args:
+            key: The save.
+            now: Ledger time.
+            attempt: For a step the ledger does not know: the attempt its directory's
+                marker names, if any.
+
         Raises:
             RequestError: the step is promoted, being promoted, or still being written.
         """
         save = self._saves.get(key)
         if save is None:
-            save = SaveRecord(key=key, world_size=0, first_begin=now, deadline=None)
+            save = SaveRecord(
+                key=key, world_size=0, first_begin=now, deadline=None, attempt=attempt
+            )
             self._saves[key] = save
             self._unsettled += 1
         elif save.state is SaveState.PROMOTED:
@@ -447,7 +458,7 @@ class Ledger:
             if live:
                 raise RequestError(
                     ErrorCode.INVALID_STATE,
-                    f"step {key.step} is still being written by ranks {_ranges(sorted(live))}",
+                    f"step {key.step} is still being written by ranks {ranges(sorted(live))}",
                 )
         previous = save.state
         if previous is SaveState.FAILED:
@@ -458,8 +469,13 @@ class Ledger:
         save.settled_at = None
         for record in save.ranks.values():
             record.lease_deadline = None
-        self._record(JRescue(key.root, key.step, now))
-        event = {"root": key.root, "step": key.step, "previous": str(previous)}
+        self._record(JRescue(key.root, key.step, now, save.attempt))
+        event = {
+            "root": key.root,
+            "step": key.step,
+            "attempt": save.attempt,
+            "previous": str(previous),
+        }
         return [Emit("checkpoint.rescue", event, "warning"), Verify(key)]
 
     def forget(self, key: SaveKey) -> None:
@@ -491,8 +507,10 @@ class Ledger:
         self._replaying = True
         try:
             match record:
-                case JBegin(rank=rank, world_size=world_size):
-                    self.begin(key, rank, world_size, None, now)
+                case JBegin(rank=rank, world_size=world_size, attempt=attempt):
+                    self.begin(key, rank, world_size, None, now, fresh=attempt)
+                case JSetAside(attempt=attempt, path=path):
+                    self.set_aside(key, attempt, path, now)
                 case JDone(rank=rank, files=files):
                     self.done(key, rank, files, None, now)
                 case JFail(rank=rank, reason=reason):
@@ -509,8 +527,8 @@ class Ledger:
                     found = self._saves.get(key)
                     if found is not None and found.state is SaveState.PROMOTING:
                         self.promoted(key, path, now)
-                case JRescue():
-                    self.rescue(key, now)
+                case JRescue(attempt=attempt):
+                    self.rescue(key, now, attempt=attempt)
                 case JForget():
                     self.forget(key)
         finally:
@@ -541,7 +559,10 @@ class Ledger:
             root, step = save.key
             ranks = sorted(save.ranks.items())
             # Every begin, then every done, then the failure: the order they can happen in.
-            out += [JBegin(root, step, r, save.world_size, rec.begun_at) for r, rec in ranks]
+            out += [
+                JBegin(root, step, r, save.world_size, rec.begun_at, save.attempt)
+                for r, rec in ranks
+            ]
             out += [
                 JDone(root, step, r, list(rec.files), rec.begun_at)
                 for r, rec in ranks
@@ -553,10 +574,13 @@ class Ledger:
                 if rec.state is RankState.FAILED and rec.reason is not None
             ]
             if save.rescued:  # after the ranks' records, whose failure it overrode
-                out.append(JRescue(root, step, save.first_begin))
+                out.append(JRescue(root, step, save.first_begin, save.attempt))
             failed_rank = any(r.state is RankState.FAILED for r in save.ranks.values())
             if save.state is SaveState.FAILED and (save.rescued or not failed_rank):
                 out.append(JSaveFailed(root, step, save.reason or "", save.settled_at or 0.0))
+            if save.state is SaveState.FAILED and save.set_aside is not None:
+                at = save.settled_at or 0.0
+                out.append(JSetAside(root, step, save.attempt, save.set_aside, at))
             if save.state in (SaveState.PROMOTING, SaveState.PROMOTED):
                 out.append(JIntent(root, step))
             if save.state is SaveState.PROMOTED and save.path is not None:
@@ -569,8 +593,16 @@ class Ledger:
 
     # -- internals ---------------------------------------------------------------------
 
-    def _rank(self, key: SaveKey, rank: int) -> tuple[SaveRecord, RankRecord]:
+    def _rank(
+        self, key: SaveKey, rank: int, attempt: str | None = None
+    ) -> tuple[SaveRecord, RankRecord]:
         save = self._saves.get(key)
+        if save is not None and attempt is not None and attempt != save.attempt:
+            raise RequestError(
+                ErrorCode.STALE_ATTEMPT,
+                f"attempt {attempt} of step {key.step} is not its current attempt "
+                f"{save.attempt or '(unnamed)'}; its report changes nothing",
+            )
         record = None if save is None else save.ranks.get(rank)
         if save is None or record is None:
             raise RequestError(
@@ -593,8 +625,9 @@ class Ledger:
         if save.state is SaveState.FAILED:
             raise RequestError(
                 ErrorCode.STEP_FAILED,
-                f"step {save.key.step} failed ({save.reason}); this attempt cannot resume "
-                "(a new job's begin starts the step over)",
+                f"step {save.key.step} failed ({save.reason}); attempt "
+                f"{save.attempt or '(unnamed)'} cannot resume (a new job's begin starts the "
+                "step over)",
             )
 
     def _reattach(
@@ -642,8 +675,31 @@ class Ledger:
         for record in save.ranks.values():
             record.lease_deadline = None
         self._settle(save, now)
-        event = {"root": save.key.root, "step": save.key.step, "reason": reason}
-        return [Emit("checkpoint.failed", event, "error"), Settled(save.key)]
+        event = {
+            "root": save.key.root,
+            "step": save.key.step,
+            "attempt": save.attempt,
+            "reason": reason,
+        }
+        report = (Emit("checkpoint.failed", event, "error"), Settled(save.key))
+        if self._replaying:
+            return list(report)
+        # Reported only once the failed attempt's files are out of the way.
+        return [SetAside(save.key, save.attempt, report)]
+
+    def set_aside(self, key: SaveKey, attempt: str, path: str, now: float) -> None:
+        """The failed attempt ``attempt``'s directory was moved to ``path``."""
+        save = self._saves.get(key)
+        if save is None or save.attempt != attempt or save.state is not SaveState.FAILED:
+            return  # replaced by a newer attempt meanwhile: the trash name still says whose
+        save.set_aside = path
+        self._record(JSetAside(key.root, key.step, attempt, path, now))
+
+    def restored(self, key: SaveKey) -> None:
+        """A rescue moved the set-aside directory back to ``tmp_step_N``."""
+        save = self._saves.get(key)
+        if save is not None:
+            save.set_aside = None
 
     def _settle(self, save: SaveRecord, now: float) -> None:
         self._unsettled -= 1
@@ -658,23 +714,3 @@ class Ledger:
             # Only this record: the key may have been forgotten and begun again since.
             if self._saves.get(key) is old:
                 del self._saves[key]
-
-
-def _ids(key: SaveKey, rank: int) -> dict[str, Any]:
-    return {"root": key.root, "step": key.step, "rank": rank}
-
-
-def _ranges(ranks: list[int]) -> str:
-    """Compact ``0-3,7`` form, so a 1,000-rank job's event stays short."""
-    parts: list[str] = []
-    start = prev = None
-    for r in ranks:
-        if prev is not None and r == prev + 1:
-            prev = r
-            continue
-        if start is not None:
-            parts.append(str(start) if start == prev else f"{start}-{prev}")
-        start = prev = r
-    if start is not None:
-        parts.append(str(start) if start == prev else f"{start}-{prev}")
-    return ",".join(parts)

@@ -63,6 +63,7 @@ async def serve(
         daemon = Daemon(config, storage=storage, journal=journal)
         async with anyio.create_task_group() as promotions:
             daemon.promoter.group = promotions
+            daemon.attempt_dirs.group = promotions
             async with anyio.create_task_group() as services:
                 if handle_signals:  # before anything slow: a SIGTERM is never lost
                     await services.start(_watch_signals, stop, daemon)

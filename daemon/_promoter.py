@@ -31,6 +31,7 @@ __all__ = [
     "Promotion",
     "Storage",
     "finish",
+    "identity",
     "latest_promoted",
     "promote",
     "read_pointer",
@@ -140,6 +141,12 @@ class Promotion:
     pointer_error: str | None = None
 
 
+def identity(path: str) -> tuple[int, int]:
+    """``(st_dev, st_ino)`` of ``path`` itself (a symlink is not followed). Blocking I/O."""
+    st = os.lstat(path)
+    return st.st_dev, st.st_ino
+
+
 def promote(
     storage: Storage,
     root: RootConfig,
@@ -147,6 +154,7 @@ def promote(
     manifest: Manifest,
     *,
     intent: Callable[[], object] | None = None,
+    expect: tuple[int, int] | None = None,
 ) -> Promotion:
     """Make step ``step`` of ``root`` a checkpoint. Call only after verification.
 
@@ -165,6 +173,9 @@ def promote(
         intent: Returns once the promotion's intent is durable (the journal); if it
             raises, nothing is written or renamed and the exception propagates once the
             flushes already started have ended.
+        expect: The identity (:func:`identity`) of the directory that was verified:
+            if ``tmp_step_N`` is another directory now, nothing is renamed; if the
+            renamed one turns out to be another, the rename is undone.
 
     Returns:
         Where the checkpoint is and whether the pointer moved. A pointer that cannot be
@@ -203,7 +214,13 @@ def promote(
         storage.fsync(tmp, directory=True)
         crash_point("after_fsync")
         stage = "rename"
+        if expect is not None and identity(tmp) != expect:
+            raise OSError(errno.ESTALE, "not the directory that was verified (replaced)", tmp)
         storage.rename_noreplace(tmp, final)
+        if expect is not None and identity(final) != expect:
+            # Swapped between the check and the rename: put it back, promote nothing.
+            storage.rename_noreplace(final, tmp)
+            raise OSError(errno.ESTALE, "not the directory that was verified (replaced)", tmp)
         crash_point("after_rename")
     except OSError as exc:
         raise PromotionError(

@@ -100,6 +100,7 @@ class Promoter:
                     key.step,
                     save.world_size,
                     save.reported_files(),
+                    save.attempt,
                     intent,
                 )
         except VerificationError as exc:
@@ -156,11 +157,21 @@ def _verify_and_promote(
     step: int,
     world_size: int,
     reported: dict[int, tuple[FileEntry, ...]],
+    attempt: str,
     intent: Callable[[], object] | None,
 ) -> tuple[Manifest, Promotion]:
-    """Verify ``tmp_step_N``, then promote it (blocking; one worker thread for both)."""
-    manifest = scan_save(root, step, world_size, reported)
-    return manifest, _promoter.promote(storage, root, step, manifest, intent=intent)
+    """Verify ``tmp_step_N``, then promote it (blocking; one worker thread for both).
+
+    The directory renamed is the one verified: its identity (device, inode) is taken
+    before the scan and checked again before and after the rename.
+    """
+    try:
+        identity = _promoter.identity(root.tmp_dir(step))
+    except FileNotFoundError:
+        raise VerificationError(f"{root.tmp_dir(step)} does not exist") from None
+    manifest = scan_save(root, step, world_size, reported, attempt)
+    done = _promoter.promote(storage, root, step, manifest, intent=intent, expect=identity)
+    return manifest, done
 
 
 def _renamed(root: RootConfig, step: int) -> bool:

@@ -38,6 +38,20 @@ async def recover(daemon: Daemon, replay: Replay) -> None:
         except (RequestError, RuntimeError):
             skipped += 1  # a duplicate a compaction kept; the state already has it
     daemon.apply(ledger.rearm(now))
+    # A failure journaled before its attempt's directory was set aside (a crash between
+    # the two, or a journal from before attempts): set it aside now, before any begin.
+    on_disk = {
+        root.path: set(await anyio.to_thread.run_sync(_gc.unknown_tmp_dirs, root, ()))
+        for root in daemon.config.roots
+    }
+    set_aside = 0
+    for save in list(ledger):
+        if save.state is not p.SaveState.FAILED or save.set_aside is not None:
+            continue
+        if save.key.step in on_disk.get(save.key.root, ()):
+            if await daemon.attempt_dirs.set_aside(save.key, save.attempt) is not None:
+                set_aside += 1
+                on_disk[save.key.root].discard(save.key.step)
     if daemon.journal is not None:
         await anyio.to_thread.run_sync(daemon.journal.compact, daemon.journal_snapshot())
     resumed = [s.key for s in ledger if s.state in (p.SaveState.VERIFYING, p.SaveState.PROMOTING)]
@@ -46,7 +60,7 @@ async def recover(daemon: Daemon, replay: Replay) -> None:
     orphans = 0
     for root in daemon.config.roots:
         known = {s.key.step for s in ledger if s.key.root == root.path}
-        for step in await anyio.to_thread.run_sync(_gc.unknown_tmp_dirs, root, known):
+        for step in sorted(on_disk[root.path] - known):
             orphans += 1
             daemon.events.emit(
                 "save.orphaned", "warning", root=root.path, step=step, path=root.tmp_dir(step)
@@ -60,5 +74,6 @@ async def recover(daemon: Daemon, replay: Replay) -> None:
         saves=len(ledger),
         in_flight=sum(1 for s in ledger if s.state is p.SaveState.OPEN),
         resumed=len(resumed),
+        set_aside=set_aside,
         orphans=orphans,
     )

@@ -24,14 +24,15 @@ from anyio.abc import SocketAttribute, SocketStream
 
 from orchestrator import protocol as p
 
-from . import _gc
+from . import _attempts, _gc
 from ._config import Config, RootConfig
 from ._connection import Connection
 from ._errors import RequestError, VerificationError
 from ._events import Events
 from ._journal import Journal, JournalRecord
-from ._ledger import Effect, Emit, Ledger, SaveKey, SaveRecord, Settled, Verify
+from ._ledger import Effect, Emit, Ledger, SaveKey, SaveRecord, SetAside, Settled, Verify
 from ._mounts import is_local, mount_table
+from ._owners import AttemptDirs
 from ._paths import check_relative, check_tmp_dir
 from ._promoter import LocalStorage, Storage, latest_promoted
 from ._promotion import Promoter
@@ -85,6 +86,8 @@ class Daemon:
         self._flushing: anyio.Event | None = None  # set when the flush under way ends
         self._collecting: set[SaveKey] = set()  # steps gc is removing right now
         self.promoter = Promoter(self, storage or LocalStorage())
+        self.attempt_dirs = AttemptDirs(self)
+        """Each attempt's own tmp directory: prepared before begin, set aside on failure."""
         self.stopping = False
         mounts = mount_table()
         self._local = {r.path for r in config.roots if is_local(r.real or r.path, mounts)}
@@ -162,7 +165,10 @@ class Daemon:
                 self.events.emit(effect.name, effect.level, **effect.fields)
             elif isinstance(effect, Verify):
                 self.promoter.start(effect.key)
+            elif isinstance(effect, SetAside):
+                self.attempt_dirs.start_set_aside(effect)
             elif isinstance(effect, Settled):
+                self.attempt_dirs.forget(effect.key)
                 waiter = self._waiters.pop(effect.key, None)
                 if waiter is not None:
                     waiter.set()
@@ -236,32 +242,21 @@ class Daemon:
         match request:
             case p.Ping():
                 return p.PingReply(id=request.id, version=VERSION)
-            case p.Begin(root=root_path, step=step, rank=rank, world_size=world_size):
-                root = self.configured(root_path)
-                if self.stopping:
-                    raise RequestError(p.ErrorCode.SHUTTING_DOWN, "the daemon is stopping")
-                key = SaveKey(root.path, step)
-                retry = self.ledger.starts_new_attempt(key, conn, resent=request.resent)
-                if self.ledger.get(key) is None or retry:
-                    await self._admit(root, key, retry)
-                effects = self.ledger.begin(
-                    key, rank, world_size, conn, now(), resent=request.resent
-                )
-                await self.commit(effects)
-                save = self.ledger.get(key)
-                assert save is not None
-                return p.BeginReply(id=request.id, path=root.tmp_dir(step), state=save.state)
+            case p.Begin():
+                return await self._begin(conn, request)
             case p.Done(root=root_path, step=step, rank=rank, files=files):
                 root = self.configured(root_path)
                 for entry in files:
                     check_relative(entry.path)
-                await self.commit(
-                    self.ledger.done(SaveKey(root.path, step), rank, files, conn, now())
-                )
+                key = SaveKey(root.path, step)
+                attempt = request.attempt
+                await self.commit(self.ledger.done(key, rank, files, conn, now(), attempt=attempt))
                 return p.Ack(id=request.id)
             case p.Fail(root=root_path, step=step, rank=rank, reason=reason):
                 root = self.configured(root_path)
-                await self.commit(self.ledger.fail(SaveKey(root.path, step), rank, reason, now()))
+                key = SaveKey(root.path, step)
+                attempt = request.attempt
+                await self.commit(self.ledger.fail(key, rank, reason, now(), attempt=attempt))
                 return p.Ack(id=request.id)
             case p.Status(root=root_path):
                 only = None if root_path is None else self.configured(root_path).path
@@ -293,7 +288,48 @@ class Daemon:
                 return await self._gc(request.id, root, remove)
         raise RequestError(p.ErrorCode.UNKNOWN_OP, f"unhandled op {type(request).__name__}")
 
-    async def _admit(self, root: RootConfig, key: SaveKey, retry: bool) -> None:
+    async def _begin(self, conn: int, request: p.Begin) -> p.BeginReply:
+        """A rank joins (or starts) the step's attempt; reply once its directory is ready.
+
+        The ledger decides, without an ``await`` in between, whether this ``begin`` starts
+        a new attempt, joins the current one or is refused; the decision is journaled;
+        then ``tmp_step_N`` is made the attempt's own (once per attempt, every rank
+        waiting for it) before anyone is told to write.
+
+        Raises:
+            RequestError: the begin is refused.
+        """
+        root = self.configured(request.root)
+        if self.stopping:
+            raise RequestError(p.ErrorCode.SHUTTING_DOWN, "the daemon is stopping")
+        key = SaveKey(root.path, request.step)
+        known = self.ledger.get(key)
+        if known is None or self.ledger.starts_new_attempt(
+            key, conn, resent=request.resent, attempt=request.attempt
+        ):
+            await self._admit(root, key)
+        effects = self.ledger.begin(
+            key,
+            request.rank,
+            request.world_size,
+            conn,
+            self.clock(),
+            resent=request.resent,
+            attempt=request.attempt,
+            fresh=_attempts.new_attempt_id(),
+        )
+        save = self.ledger.get(key)
+        assert save is not None
+        await self.commit(effects)
+        if save.state is p.SaveState.OPEN:
+            await self.attempt_dirs.ready(root, save)
+        if save.state is p.SaveState.FAILED:
+            raise RequestError(p.ErrorCode.STEP_FAILED, f"step {key.step} failed: {save.reason}")
+        return p.BeginReply(
+            id=request.id, path=root.tmp_dir(key.step), state=save.state, attempt=save.attempt
+        )
+
+    async def _admit(self, root: RootConfig, key: SaveKey) -> None:
         """Checks before a new save (or a new attempt at a failed one) may begin.
 
         Raises:
@@ -309,11 +345,6 @@ class Daemon:
             raise RequestError(
                 p.ErrorCode.INVALID_STATE, f"{root.tmp_dir(key.step)} is being removed by gc; retry"
             )
-        if retry:
-            # The failed attempt's files must not mix with the new one's.
-            moved = await anyio.to_thread.run_sync(_gc.quarantine, root, key.step)
-            if moved is not None:
-                self.events.emit("save.quarantined", root=root.path, step=key.step, path=moved)
         if root.path in self._local:
             check_tmp_dir(root, key.step)  # two lstats on a local disk: not worth a thread
         else:
@@ -335,11 +366,12 @@ class Daemon:
             if await anyio.to_thread.run_sync(os.path.isdir, final):
                 return p.WaitReply(id=request.id, state="promoted", path=final)
             return p.WaitReply(id=request.id, state="pending")
+        attempt = save.attempt or None
         if save.state is p.SaveState.PROMOTED:
-            return p.WaitReply(id=request.id, state="promoted", path=save.path)
+            return p.WaitReply(id=request.id, state="promoted", path=save.path, attempt=attempt)
         if save.state is p.SaveState.FAILED:
-            return p.WaitReply(id=request.id, state="failed", reason=save.reason)
-        return p.WaitReply(id=request.id, state="pending")
+            return p.WaitReply(id=request.id, state="failed", reason=save.reason, attempt=attempt)
+        return p.WaitReply(id=request.id, state="pending", attempt=attempt)
 
     async def _rescue(
         self, request_id: int, root: RootConfig, step: int, *, wait_s: float
@@ -352,9 +384,20 @@ class Daemon:
         reported = {} if save is None else save.reported_files()
         world_size = 0 if save is None else save.world_size
         async with self.root_locks[root.path]:
+            if save is not None and save.state is p.SaveState.FAILED and save.set_aside:
+                # The failed attempt's files were set aside: bring them back to be judged.
+                if await anyio.to_thread.run_sync(_attempts.restore, root, step, save.set_aside):
+                    self.ledger.restored(key)
+                    self.events.emit(
+                        "save.restored", root=root.path, step=step, attempt=save.attempt
+                    )
+            marker = await anyio.to_thread.run_sync(_attempts.read_marker, root.tmp_dir(step))
+            attempt = save.attempt if save is not None else ""
+            if save is None and marker is not None:
+                attempt = marker.attempt  # a step no journal knows: its directory says whose
             try:
                 manifest = await anyio.to_thread.run_sync(
-                    scan_save, root, step, world_size, reported
+                    scan_save, root, step, world_size, reported, attempt
                 )
             except VerificationError as exc:
                 raise RequestError(p.ErrorCode.UNVERIFIABLE, str(exc)) from None
@@ -364,7 +407,7 @@ class Daemon:
                 f"{root.tmp_dir(step)} holds no DCP directory (*.distcp with .metadata): "
                 "nothing on disk proves the step complete",
             )
-        await self.commit(self.ledger.rescue(key, self.clock()))
+        await self.commit(self.ledger.rescue(key, self.clock(), attempt=attempt))
         wait = p.Wait(id=request_id, root=root.path, step=step, timeout=wait_s)
         return await self.settled(wait, root)
 
@@ -372,6 +415,7 @@ class Daemon:
         # Under the root's lock: no promotion in this root runs while gc looks or removes.
         async with self.root_locks[root.path]:
             failed = {s.key.step for s in self._saves_of(root) if s.state is p.SaveState.FAILED}
+            set_aside = {s.key.step: s.set_aside for s in self._saves_of(root) if s.set_aside}
             # An unknown tmp dir counts as orphaned only once it could no longer be a save
             # whose ranks write before they begin.
             min_age = self.config.save_timeout or _ORPHAN_AGE
@@ -394,7 +438,9 @@ class Daemon:
                     self.ledger.forget(SaveKey(root.path, step))
                 await self.commit([])
                 self.events.emit("gc.removed", root=root.path, steps=candidates)
-        paths = [root.tmp_dir(step) for step in candidates]
+        kept = {s.key.step: s.set_aside for s in self._saves_of(root) if s.set_aside}
+        kept |= set_aside
+        paths = [kept.get(step) or root.tmp_dir(step) for step in candidates]
         return p.GcReply(id=request_id, candidates=paths, removed=remove and bool(candidates))
 
     def _saves_of(self, root: RootConfig) -> list[SaveRecord]:
@@ -447,6 +493,8 @@ class Daemon:
             ranks=ranks,
             path=save.path,
             reason=save.reason,
+            attempt=save.attempt or None,
+            set_aside=save.set_aside,
         )
 
 

@@ -13,8 +13,9 @@ from typing import Final
 
 import msgspec
 
-from orchestrator.protocol import FileEntry
+from orchestrator.protocol import ATTEMPT_MARKER, FileEntry
 
+from ._attempts import read_marker
 from ._config import RootConfig
 from ._dcpmeta import check_dcp_dir
 from ._errors import VerificationError
@@ -45,17 +46,24 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     """Directories holding DCP shards; each had a ``.metadata`` covering its shards."""
     ranks: dict[str, list[str]] = msgspec.field(default_factory=dict)
     """The files each rank reported in its ``done``."""
+    attempt: str = ""
+    """The attempt whose files these are ("" if promoted before attempts had ids)."""
 
 
 def scan_save(
-    root: RootConfig, step: int, world_size: int, reported: dict[int, tuple[FileEntry, ...]]
+    root: RootConfig,
+    step: int,
+    world_size: int,
+    reported: dict[int, tuple[FileEntry, ...]],
+    attempt: str = "",
 ) -> Manifest:
     """Check that ``tmp_step_N`` holds a complete checkpoint; describe it.
 
-    Checks: the tmp directory is a real directory inside the root; it holds no symlink
-    leading outside it and no special files; every file a rank reported exists with at
-    least its size; every directory with ``*.distcp`` shards has a ``.metadata`` whose
-    referenced shards exist with the sizes it records.
+    Checks: the tmp directory is a real directory inside the root; it is attempt
+    ``attempt``'s (its marker names it; not checked for ""); it holds no symlink leading
+    outside it and no special files; every file a rank reported exists with at least its
+    size; every directory with ``*.distcp`` shards has a ``.metadata`` whose referenced
+    shards exist with the sizes it records.
 
     Raises:
         VerificationError: with every problem found (up to a bound), joined by ``; ``.
@@ -66,6 +74,12 @@ def scan_save(
     dirs: list[str] = []
     dcp_dirs: list[str] = []
     problems: list[str] = []
+    if attempt:
+        marker = read_marker(tmp)
+        owner = "no attempt" if marker is None else f"attempt {marker.attempt}"
+        if marker is None or marker.attempt != attempt:
+            # Never promote one attempt's ledger over another attempt's files.
+            raise VerificationError(f"{tmp} belongs to {owner}, not to attempt {attempt}")
     for dirpath, dirnames, filenames in os.walk(tmp, topdown=False, onerror=_raise):
         rel_dir = os.path.relpath(dirpath, tmp)
         dirs.append(rel_dir)
@@ -78,7 +92,7 @@ def scan_save(
                 if not _inside(os.path.realpath(path), real_tmp):
                     problems.append(f"{rel}: symlink to {os.readlink(path)!r} leaves the save")
             elif stat.S_ISREG(st.st_mode):
-                if rel != MANIFEST_NAME and not _manifest_leftover(rel):
+                if not _bookkeeping(rel):
                     files[rel] = st.st_size
                 has_shards = has_shards or name.endswith(".distcp")
             elif not stat.S_ISDIR(st.st_mode):
@@ -111,6 +125,7 @@ def scan_save(
         dirs=dirs,
         dcp_dirs=sorted(dcp_dirs),
         ranks={str(r): [e.path for e in es] for r, es in sorted(reported.items())},
+        attempt=attempt,
     )
 
 
@@ -130,9 +145,17 @@ def read_manifest(path: str) -> Manifest:
         raise VerificationError(f"{manifest_path}: unreadable: {exc}") from exc
 
 
-def _manifest_leftover(rel: str) -> bool:
-    """Whether ``rel`` is the temp file of a manifest write cut short by a crash."""
-    return rel.startswith(f"{MANIFEST_NAME}.") and rel.endswith(".tmp") and "/" not in rel
+def _bookkeeping(rel: str) -> bool:
+    """Whether ``rel`` is the daemon's own file, not one of the checkpoint's.
+
+    The manifest, the attempt marker, and the temp file of either left by a crash.
+    """
+    if "/" in rel:
+        return False
+    return any(
+        rel == name or (rel.startswith(f"{name}.") and rel.endswith(".tmp"))
+        for name in (MANIFEST_NAME, ATTEMPT_MARKER)
+    )
 
 
 def verify_checkpoint(path: str) -> list[str]:

@@ -86,3 +86,5 @@ def bindfs_mount(backing: Path, mount: Path, options: str = "") -> Iterator[Bind
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()

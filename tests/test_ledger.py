@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from daemon._errors import RequestError
-from daemon._ledger import Effect, Emit, Ledger, SaveKey, Settled, Verify
+from daemon._ledger import Effect, Emit, Ledger, SaveKey, SetAside, Settled, Verify
 from orchestrator.protocol import ErrorCode, FileEntry, RankState, SaveState
 
 ROOT = "/ckpt/run-42"
@@ -32,14 +32,22 @@ def make_ledger(
     return Ledger(lease=lease, save_timeout=save_timeout, history=history)
 
 
+def flat(effects: Sequence[Effect]) -> list[Effect]:
+    """The effects in the order they are carried out: a set-aside's report after it."""
+    out: list[Effect] = []
+    for e in effects:
+        out += list(e.then) if isinstance(e, SetAside) else [e]
+    return out
+
+
 def names(effects: Sequence[Effect]) -> list[str]:
     """Each effect as a word: the event name of an Emit, else the effect's class name."""
-    return [e.name if isinstance(e, Emit) else type(e).__name__ for e in effects]
+    return [e.name if isinstance(e, Emit) else type(e).__name__ for e in flat(effects)]
 
 
 def emitted(effects: Sequence[Effect], name: str) -> dict[str, Any]:
     """The fields of the one ``name`` event among ``effects``."""
-    found = [e for e in effects if isinstance(e, Emit) and e.name == name]
+    found = [e for e in flat(effects) if isinstance(e, Emit) and e.name == name]
     assert len(found) == 1, f"expected one {name}, got {names(effects)}"
     return found[0].fields
 
@@ -104,7 +112,7 @@ class TestBegin:
         ledger = make_ledger()
         effects = ledger.begin(KEY, 0, 4, conn=1, now=5.0)
         assert effects == [
-            Emit("save.begun", {"root": ROOT, "step": 7, "rank": 0, "world_size": 4})
+            Emit("save.begun", {"root": ROOT, "step": 7, "rank": 0, "world_size": 4, "attempt": ""})
         ]
         save = ledger.get(KEY)
         assert save is not None
@@ -303,15 +311,18 @@ class TestFail:
         begin_all(ledger, 3)
         effects = ledger.fail(KEY, 1, "CUDA error", now=4.0)
         assert names(effects) == ["save.rank_failed", "checkpoint.failed", "Settled"]
-        assert effects[-1] == Settled(KEY)
+        assert flat(effects)[-1] == Settled(KEY)
         rank_failed = emitted(effects, "save.rank_failed")
         assert (rank_failed["rank"], rank_failed["reason"]) == (1, "rank 1 failed: CUDA error")
         assert emitted(effects, "checkpoint.failed") == {
             "root": ROOT,
             "step": 7,
+            "attempt": "",
             "reason": "rank 1 failed: CUDA error",
         }
-        assert [e.level for e in effects if isinstance(e, Emit)] == ["warning", "error"]
+        assert [e.level for e in flat(effects) if isinstance(e, Emit)] == ["warning", "error"]
+        # The failure is reported only once the attempt's directory is set aside.
+        assert isinstance(effects[-1], SetAside) and effects[-1].key == KEY
         save = ledger.get(KEY)
         assert save is not None
         assert (save.state, save.reason, save.settled_at) == (
@@ -635,6 +646,7 @@ class TestPromotionPath:
                     "root": ROOT,
                     "step": 7,
                     "path": path,
+                    "attempt": "",
                     "bytes": 210,
                     "files": 4,
                     "latest": True,
@@ -741,7 +753,7 @@ class TestHistory:
         ledger = make_ledger(history=0)
         ledger.begin(KEY, 0, 1, conn=1, now=0.0)
         effects = ledger.fail(KEY, 0, "x", now=1.0)
-        assert Settled(KEY) in effects
+        assert Settled(KEY) in flat(effects)
         assert len(ledger) == 0
 
     def test_forget_drops_only_settled_saves(self) -> None:
@@ -1040,11 +1052,15 @@ class LedgerMachine(RuleBasedStateMachine):
             return [], ErrorCode.WORLD_SIZE_MISMATCH
         if expired := self._expire(key):
             return expired, ErrorCode.STEP_FAILED
-        if save.state is SaveState.PROMOTED:
-            return [], ErrorCode.ALREADY_PROMOTED
-        if save.state is SaveState.FAILED:
-            return [], ErrorCode.STEP_FAILED
         rec = save.ranks.get(rank)
+        if save.state is not SaveState.OPEN:
+            # No writer joins a step past OPEN (only a re-sent begin of a done rank may
+            # reattach, which these inputs never are).
+            if save.state is SaveState.PROMOTED:
+                return [], ErrorCode.ALREADY_PROMOTED
+            if save.state is SaveState.FAILED:
+                return [], ErrorCode.STEP_FAILED
+            return [], ErrorCode.STEP_CLOSED
         if rec is None:
             assert save.state is SaveState.OPEN, "every rank has begun once the save is past OPEN"
             save.ranks[rank] = _Rank(RankState.WRITING, conn)
@@ -1159,6 +1175,9 @@ class LedgerMachine(RuleBasedStateMachine):
             effects = exc.effects
         else:
             assert error is None, f"expected {error}, got effects {names(effects)}"
+        # A failure is reported only after its attempt's directory is set aside.
+        assert not any(isinstance(e, Emit) and e.name == "checkpoint.failed" for e in effects)
+        effects = flat(effects)
         got: Expected = []
         for effect in effects:
             if isinstance(effect, Emit):
@@ -1172,7 +1191,7 @@ class LedgerMachine(RuleBasedStateMachine):
                 self.saves[effect.key].verifies += 1
             elif isinstance(effect, Settled):
                 self.saves[effect.key].settles += 1
-            elif effect.name == "checkpoint.failed":
+            elif isinstance(effect, Emit) and effect.name == "checkpoint.failed":
                 model = self.saves[SaveKey(effect.fields["root"], effect.fields["step"])]
                 assert model.reason is not None
                 assert model.reason in effect.fields["reason"], (model.reason, effect.fields)

@@ -113,7 +113,8 @@ class TestCrashWhileSaving:
         failed = restarted.wait_event("checkpoint.failed")
         assert failed["step"] == 4 and "lease" in failed["reason"]
         assert not (root / "step_4").exists()
-        assert (root / "tmp_step_4").is_dir()  # kept for inspection
+        kept = restarted.wait_event("save.set_aside")
+        assert kept["step"] == 4 and Path(kept["path"]).is_dir()  # kept for inspection
 
     def test_failed_step_stays_failed(self, daemon_factory: Factory, root: Path) -> None:
         daemon = daemon_factory([root])

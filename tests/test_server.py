@@ -331,9 +331,10 @@ def _fifo(tmp: Path) -> Files:
 
 
 def _tmp_swapped_for_symlink(tmp: Path) -> Files:
-    # Begun as a plain (absent) directory; a rank then makes it a symlink elsewhere.
+    # Begun as a plain directory; a rank then makes it a symlink elsewhere.
     elsewhere = tmp.parent.parent / "elsewhere"
     files = write_files(elsewhere, 0)
+    os.rename(tmp, tmp.parent.parent / "begun")
     tmp.symlink_to(elsewhere, target_is_directory=True)
     return files
 
@@ -389,11 +390,17 @@ class TestVerificationFailure:
         event = daemon.wait_event("checkpoint.failed", TIMEOUT, of(root, step))
         assert reason in event["reason"]
         assert "checkpoint.promoted" not in names(daemon)
-        assert os.path.lexists(tmp), "the failed save's files must be kept for inspection"
         assert not (root / "latest").exists()
+        if setup is _tmp_swapped_for_symlink:
+            assert tmp.is_symlink()  # the daemon never moves what a symlink points to
+            return
+        # The failed attempt's files are kept for inspection, set aside in the trash.
+        kept = Path(daemon.wait_event("save.set_aside", TIMEOUT, of(root, step))["path"])
+        assert kept.parent == root / ".ckptd-trash" and kept.name.startswith("tmp_step_4.attempt")
+        assert not os.path.lexists(tmp)
         if setup is _final_appeared:
             assert (root / "step_4" / "theirs").read_bytes() == b"keep me"
-            assert (tmp / "model" / "rank0-0.bin").is_file()
+            assert (kept / "model" / "rank0-0.bin").is_file()
         else:
             assert not (root / f"step_{step}").exists()
 
@@ -669,7 +676,8 @@ class TestRankDeath:
             assert reply["state"] == "failed"
             assert "lease" in reply["reason"]
         assert not (root / f"step_{step}").exists()
-        assert (tmp / "model" / "rank1-0.bin").is_file()
+        kept = Path(daemon.wait_event("save.set_aside", TIMEOUT, of(root, step))["path"])
+        assert (kept / "model" / "rank1-0.bin").is_file()
         assert "checkpoint.promoted" not in names(daemon)
 
     def test_closed_connection_after_done_is_harmless(self, start: Start, root: Path) -> None:
@@ -714,7 +722,7 @@ class TestFail:
         daemon = start([root])
         step = 31
         with connect(daemon) as r0, connect(daemon) as r1:
-            ok(begin(r0, root, step, 0, 2))
+            begin_reply = ok(begin(r0, root, step, 0, 2))
             ok(begin(r1, root, step, 1, 2))
             files = write_files(root / f"tmp_step_{step}", 0)
             ok(r1.request("fail", root=str(root), step=step, rank=1, reason="ENOSPC on upload"))
@@ -729,7 +737,10 @@ class TestFail:
             assert info["state"] == "failed"
             assert info["ranks"][1]["state"] == "failed"
         assert not (root / f"step_{step}").exists()
-        assert (root / f"tmp_step_{step}" / "model" / "rank0-0.bin").is_file()
+        # Set aside before the failure was reported: the reply above already saw it moved.
+        assert not (root / f"tmp_step_{step}").exists()
+        assert (Path(info["set_aside"]) / "model" / "rank0-0.bin").is_file()
+        assert info["attempt"] == ok(begin_reply)["attempt"]
 
 
 class TestWait:
@@ -846,6 +857,7 @@ class TestGc:
             write_files(root / "tmp_step_2", 0)
             ok(client.request("fail", root=str(root), step=2, rank=0, reason="boom"))
             daemon.wait_event("checkpoint.failed", TIMEOUT, of(root, 2))
+            kept = daemon.wait_event("save.set_aside", TIMEOUT, of(root, 2))["path"]
 
             write_files(root / "tmp_step_3", 0)  # orphan: the daemon never heard of it
             set_mtime(root / "tmp_step_3", old)
@@ -856,16 +868,16 @@ class TestGc:
             set_mtime(root / "tmp_step_4", old)
 
             listed = ok(client.request("gc", root=str(root)))
-            assert listed["candidates"] == [str(root / "tmp_step_2"), str(root / "tmp_step_3")]
+            assert listed["candidates"] == [kept, str(root / "tmp_step_3")]
             assert listed["removed"] is False
-            assert (root / "tmp_step_2").is_dir() and (root / "tmp_step_3").is_dir()
+            assert Path(kept).is_dir() and (root / "tmp_step_3").is_dir()
 
             removed = ok(client.request("gc", root=str(root), remove=True))
             assert removed["candidates"] == listed["candidates"]
             assert removed["removed"] is True
             event = daemon.wait_event("gc.removed", TIMEOUT)
             assert event["steps"] == [2, 3]
-            assert not (root / "tmp_step_2").exists()
+            assert not Path(kept).exists()
             assert not (root / "tmp_step_3").exists()
             assert list((root / ".ckptd-trash").iterdir()) == []
             assert (root / "tmp_step_4" / "model" / "rank0-0.bin").is_file()

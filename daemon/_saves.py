@@ -1,0 +1,140 @@
+"""What the ledger keeps of each save, and the effects it asks the daemon to carry out.
+
+Plain data: no I/O, no clock. :mod:`daemon._ledger` changes these records and returns
+effects; the server turns the effects into events, promotions, directory moves and woken
+waiters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from orchestrator.protocol import FileEntry, RankState, SaveState
+
+__all__ = [
+    "Effect",
+    "Emit",
+    "RankRecord",
+    "SaveKey",
+    "SaveRecord",
+    "SetAside",
+    "Settled",
+    "Verify",
+    "ids",
+    "ranges",
+]
+
+
+class SaveKey(NamedTuple):
+    """Identity of one checkpoint: its configured root and its step."""
+
+    root: str
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class Emit:
+    """Effect: log and publish the event ``name`` with ``fields``."""
+
+    name: str
+    fields: dict[str, Any]
+    level: str = "info"
+
+
+@dataclass(frozen=True, slots=True)
+class Verify:
+    """Effect: every rank is done; verify the save's files and, if sound, promote it."""
+
+    key: SaveKey
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """Effect: the save reached a terminal state; wake whoever waits for it."""
+
+    key: SaveKey
+
+
+@dataclass(frozen=True, slots=True)
+class SetAside:
+    """Effect: attempt ``attempt`` of ``key`` failed; move its directory into the trash.
+
+    ``then`` (the failure's report: its event, woken waiters) is carried out only once
+    the directory was moved, so nobody learns of the failure while the failed attempt's
+    files still sit where the next attempt will write.
+    """
+
+    key: SaveKey
+    attempt: str
+    then: tuple[Emit | Settled, ...]
+
+
+Effect = Emit | Verify | Settled | SetAside
+
+
+@dataclass(slots=True)
+class RankRecord:
+    """One writer of a save."""
+
+    state: RankState
+    begun_at: float
+    conn: int | None
+    lease_deadline: float | None = None
+    files: tuple[FileEntry, ...] = ()
+    reason: str | None = None
+
+
+@dataclass(slots=True)
+class SaveRecord:
+    """One attempt at one checkpoint step, and its writers."""
+
+    key: SaveKey
+    world_size: int
+    first_begin: float
+    deadline: float | None
+    attempt: str = ""
+    """The attempt's id ("" for a save journaled before attempts had ids)."""
+    state: SaveState = SaveState.OPEN
+    ranks: dict[int, RankRecord] = field(default_factory=dict)
+    reason: str | None = None
+    path: str | None = None
+    settled_at: float | None = None
+    rescued: bool = False
+    set_aside: str | None = None
+    """Where the failed attempt's directory was moved (inside the root's trash)."""
+    conns: set[int] = field(default_factory=set)
+    """Connections that wrote this attempt (this daemon run): their begins never restart it."""
+
+    def missing_ranks(self) -> list[int]:
+        """Ranks that have not begun, or have begun but are not done."""
+        return [
+            r
+            for r in range(self.world_size)
+            if r not in self.ranks or self.ranks[r].state is not RankState.DONE
+        ]
+
+    def reported_files(self) -> dict[int, tuple[FileEntry, ...]]:
+        """The files each rank listed in its ``done``."""
+        return {rank: rec.files for rank, rec in sorted(self.ranks.items())}
+
+
+def ids(key: SaveKey, rank: int) -> dict[str, Any]:
+    """The fields naming one rank of one save in an event."""
+    return {"root": key.root, "step": key.step, "rank": rank}
+
+
+def ranges(ranks: list[int]) -> str:
+    """Compact ``0-3,7`` form, so a 1,000-rank job's event stays short."""
+    parts: list[str] = []
+    start = prev = None
+    for r in ranks:
+        if prev is not None and r == prev + 1:
+            prev = r
+            continue
+        if start is not None:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = r
+    if start is not None:
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+    return ",".join(parts)
