@@ -42,6 +42,10 @@ class RootConfig:
     """Name of the symlink (or ``<pointer>.txt`` fallback) naming the newest promoted step."""
     real: str = ""
     """The root with symlinks resolved; filled in by :func:`load_config`."""
+    named: str = ""
+    """The path as configured, when it is a symlink to :attr:`path` (requests may name
+    either). The daemon renames only in the resolved directory, so a symlink re-pointed
+    while it runs never moves its work elsewhere."""
 
     def __post_init__(self) -> None:
         if not os.path.isabs(self.path) or os.path.normpath(self.path) != self.path:
@@ -113,9 +117,7 @@ class Config:
     def __post_init__(self) -> None:
         if not self.roots:
             raise ConfigError("no checkpoint root configured: pass --root DIR (repeatable)")
-        paths = [r.path for r in self.roots]
-        if len(set(paths)) != len(paths):
-            raise ConfigError(f"a root is configured twice: {sorted(paths)}")
+        _check_disjoint(self.roots)
         if not self.lease > 0:
             raise ConfigError(f"lease must be > 0 seconds, got {self.lease}")
         if self.save_timeout is not None and not self.save_timeout > 0:
@@ -149,7 +151,7 @@ class Config:
     def root_for(self, path: str) -> RootConfig | None:
         """The configured root a request names, by its configured or its resolved path."""
         for root in self.roots:
-            if path in (root.path, root.real):
+            if path in (root.path, root.real) or (root.named and path == root.named):
                 return root
         return None
 
@@ -235,7 +237,46 @@ def _root(table: dict[str, Any], source: str | None) -> RootConfig:
     if not os.path.isdir(path):
         raise ConfigError(f"root {path} is not an existing directory; create it first")
     extra = {k: v for k, v in table.items() if k != "path"}
+    real = os.path.realpath(path)
+    named = path if real != path else ""
     try:
-        return RootConfig(path=path, real=os.path.realpath(path), **extra)
+        return RootConfig(path=real, real=real, named=named, **extra)
     except TypeError as exc:
         raise ConfigError(f"root {path}: {exc}") from exc
+
+
+def _check_disjoint(roots: tuple[RootConfig, ...]) -> None:
+    """Refuse roots that are one directory under two names, or that nest.
+
+    Two names of one directory would get two locks, two promoters and two pointers for
+    the same files; a root inside another would have its checkpoints counted, pruned
+    or removed as the outer root's entries.
+
+    Raises:
+        ConfigError: naming both roots and how to fix it.
+    """
+    resolved = [(r, r.real or r.path) for r in roots]
+    for i, (a, ra) in enumerate(resolved):
+        for b, rb in resolved[i + 1 :]:
+            if (a.named or a.path) == (b.named or b.path):
+                raise ConfigError(f"a root is configured twice: {a.named or a.path}")
+            if ra == rb or _same_directory(ra, rb):
+                raise ConfigError(
+                    f"roots {a.named or a.path} and {b.named or b.path} are the same "
+                    f"directory ({ra}); configure it once"
+                )
+            for outer, inner, ro, ri in ((a, b, ra, rb), (b, a, rb, ra)):
+                if ri.startswith(ro.rstrip(os.sep) + os.sep):
+                    raise ConfigError(
+                        f"root {inner.named or inner.path} is inside root "
+                        f"{outer.named or outer.path}; roots must not nest (give each run "
+                        "its own directory side by side)"
+                    )
+
+
+def _same_directory(a: str, b: str) -> bool:
+    """Whether ``a`` and ``b`` are one directory (a bind mount under two paths)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False

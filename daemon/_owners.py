@@ -68,6 +68,11 @@ class AttemptDirs:
         """Where set-asides run; set by ``serve`` before any request is handled."""
         self._ready: dict[tuple[SaveKey, str], anyio.Event] = {}
         self._failed: dict[tuple[SaveKey, str], str] = {}
+        self._pending: dict[SaveKey, int] = {}  # set-asides under way, per save
+
+    def reporting(self, key: SaveKey) -> bool:
+        """Whether ``key``'s failure is still being set aside, so not yet reported."""
+        return key in self._pending
 
     async def ready(self, root: RootConfig, save: SaveRecord) -> None:
         """Return once ``tmp_step_N`` is ``save``'s attempt's directory.
@@ -132,6 +137,7 @@ class AttemptDirs:
         if self.group is None:  # not serving yet (recovery sets aside on its own)
             self._daemon.apply(effect.then)
             return
+        self._pending[effect.key] = self._pending.get(effect.key, 0) + 1
         self.group.start_soon(self._set_aside, effect)
 
     async def _set_aside(self, effect: SetAside) -> None:
@@ -140,6 +146,11 @@ class AttemptDirs:
             with anyio.CancelScope(shield=True):
                 await self.set_aside(key, effect.attempt)
         finally:
+            left = self._pending[key] - 1
+            if left:
+                self._pending[key] = left
+            else:
+                del self._pending[key]
             daemon.apply(effect.then)
 
     async def set_aside(self, key: SaveKey, attempt: str) -> str | None:

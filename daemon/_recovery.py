@@ -12,6 +12,7 @@ from orchestrator import protocol as p
 from . import _gc
 from ._errors import RequestError
 from ._journal import Replay
+from ._layout import write_layout
 
 if TYPE_CHECKING:
     from ._server import Daemon
@@ -40,6 +41,14 @@ async def recover(daemon: Daemon, replay: Replay) -> None:
     daemon.apply(ledger.rearm(now))
     # A failure journaled before its attempt's directory was set aside (a crash between
     # the two, or a journal from before attempts): set it aside now, before any begin.
+    for root in daemon.config.roots:
+        try:
+            await anyio.to_thread.run_sync(write_layout, root)
+        except OSError as exc:
+            # Clients then fall back to the default names while the daemon is down.
+            daemon.events.emit(
+                "root.layout_failed", "warning", root=root.path, error=exc.strerror or str(exc)
+            )
     on_disk = {
         root.path: set(await anyio.to_thread.run_sync(_gc.unknown_tmp_dirs, root, ()))
         for root in daemon.config.roots

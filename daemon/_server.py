@@ -75,6 +75,7 @@ class Daemon:
         self._conn_ids = itertools.count(1)
         self._connections = 0
         self._waiters: dict[SaveKey, anyio.Event] = {}
+        self._waiting: dict[SaveKey, int] = {}  # how many wait on each entry of _waiters
         self.root_locks = {root.path: anyio.Lock() for root in config.roots}
         """One lock per root: promotions and gc in a root never overlap."""
         self._changed = anyio.Event()
@@ -268,6 +269,8 @@ class Daemon:
                     uptime_s=round(now() - self._started, 3),
                     roots=[r.path for r in self.config.roots],
                     saves=saves,
+                    waits=self.waits,
+                    waited_steps=len(self._waiters),
                     layouts=[
                         p.RootInfo(r.path, r.tmp_prefix, r.final_prefix, r.pointer)
                         for r in self.config.roots
@@ -354,12 +357,16 @@ class Daemon:
         """The reply to ``wait``, once the step settles or ``request.timeout`` passes."""
         key = SaveKey(root.path, request.step)
         with anyio.move_on_after(request.timeout):
-            while (save := self.ledger.get(key)) is None or save.state not in _SETTLED:
+            while (
+                (save := self.ledger.get(key)) is None
+                or save.state not in _SETTLED
+                or self.attempt_dirs.reporting(key)  # failed, but not yet set aside
+            ):
                 if save is None and await anyio.to_thread.run_sync(
                     os.path.isdir, root.final_dir(request.step)
                 ):
                     break
-                await self._waiters.setdefault(key, anyio.Event()).wait()
+                await self._wait_for(key)
         save = self.ledger.get(key)
         if save is None:
             final = root.final_dir(key.step)
@@ -369,9 +376,35 @@ class Daemon:
         attempt = save.attempt or None
         if save.state is p.SaveState.PROMOTED:
             return p.WaitReply(id=request.id, state="promoted", path=save.path, attempt=attempt)
-        if save.state is p.SaveState.FAILED:
+        if save.state is p.SaveState.FAILED and not self.attempt_dirs.reporting(key):
             return p.WaitReply(id=request.id, state="failed", reason=save.reason, attempt=attempt)
         return p.WaitReply(id=request.id, state="pending", attempt=attempt)
+
+    async def _wait_for(self, key: SaveKey) -> None:
+        """Return when ``key`` next settles.
+
+        The entry goes with its last waiter: waits on steps that never begin leave
+        nothing behind.
+        """
+        event = self._waiters.get(key)
+        if event is None:
+            event = self._waiters[key] = anyio.Event()
+        self._waiting[key] = self._waiting.get(key, 0) + 1
+        try:
+            await event.wait()
+        finally:
+            left = self._waiting[key] - 1
+            if left:
+                self._waiting[key] = left
+            else:
+                del self._waiting[key]
+                if self._waiters.get(key) is event:
+                    del self._waiters[key]
+
+    @property
+    def waits(self) -> int:
+        """``wait`` requests pending right now."""
+        return sum(self._waiting.values())
 
     async def _rescue(
         self, request_id: int, root: RootConfig, step: int, *, wait_s: float

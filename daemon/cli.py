@@ -21,6 +21,7 @@ import msgspec
 
 from orchestrator import protocol as p
 
+from ._attempts import TRASH
 from ._config import Config, RootConfig, default_socket_path, load_config
 from ._errors import ConfigError
 from ._events import configure_logging
@@ -226,12 +227,13 @@ def _ranks_summary(save: dict[str, Any]) -> str:
 def _root_layout(args: argparse.Namespace, status: dict[str, Any] | None) -> RootConfig:
     """The root's directory names: the daemon's configuration when it answers."""
     path = os.path.abspath(args.root)
+    real = os.path.realpath(path)
     names = {"tmp_prefix": args.tmp_prefix, "final_prefix": args.final_prefix}
     names["pointer"] = args.pointer
     for layout in (status or {}).get("layouts", []):
-        if path == layout["path"]:
+        if layout["path"] in (path, real):
             names = {k: layout[k] for k in ("tmp_prefix", "final_prefix", "pointer")}
-    return RootConfig(path=path, real=os.path.realpath(path), **names)
+    return RootConfig(path=real, real=real, **names)
 
 
 def _daemon_status(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -273,6 +275,7 @@ def _ls(args: argparse.Namespace) -> int:
                     "latest": False,
                 }
             )
+    rows += _set_aside_rows(root, known)
     rows.sort(key=lambda r: (r["step"], r["state"]))
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -291,6 +294,35 @@ def _ls(args: argparse.Namespace) -> int:
         ],
     )
     return 0
+
+
+def _set_aside_rows(root: RootConfig, known: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Failed attempts' directories in the root's trash, kept until ``gc``."""
+    trash = os.path.join(root.path, TRASH)
+    try:
+        names = sorted(os.listdir(trash))
+    except OSError:
+        return []
+    rows = []
+    for name in names:
+        head, sep, tail = name.partition(".attempt-")
+        step = root.parse_step(head, root.tmp_prefix) if sep else None
+        if step is None:
+            continue
+        full = os.path.join(trash, name)
+        save = known.get(step)
+        ours = save is not None and save.get("set_aside") == full
+        rows.append(
+            {
+                "step": step,
+                "state": save["state"] if ours and save else "set aside",
+                "path": full,
+                "attempt": tail.rsplit("-", 1)[0],
+                "reason": save.get("reason") if ours and save else None,
+                "latest": False,
+            }
+        )
+    return rows
 
 
 def _manifest(path: str) -> Manifest | None:

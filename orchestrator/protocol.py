@@ -393,6 +393,10 @@ class StatusReply(_Reply, frozen=True, kw_only=True):
     roots: list[str]
     saves: list[SaveInfo]
     layouts: list[RootInfo] = []
+    waits: int = 0
+    """``wait`` requests pending."""
+    waited_steps: int = 0
+    """Steps that pending waits wait for (what they cost the daemon's memory)."""
 
 
 class LatestReply(_Reply, frozen=True, kw_only=True):

@@ -154,7 +154,8 @@ class TestLs:
         assert rows[0] == ["1", "promoted", "400", "B", "4", str(root / "step_1")]
         assert rows[1] == ["2", "*", "promoted", "400", "B", "4", str(root / "step_2")]
         assert rows[2] == ["3", "open", str(root / "tmp_step_3")]
-        assert rows[3][:3] == ["4", "failed", str(root / "tmp_step_4")]
+        assert rows[3][:2] == ["4", "failed"]
+        assert rows[3][2].startswith(str(root / ".ckptd-trash" / "tmp_step_4.attempt-"))
         assert "(rank 0 failed: disk full)" in lines[4]
         assert rows[4] == ["9", "unknown", str(root / "tmp_step_9")]
         assert len(rows) == 5
@@ -208,7 +209,7 @@ class TestLs:
         code, out, _ = cli(capsys, "ls", str(root), "--json", "--socket", nobody)
         assert code == 0
         states = {r["step"]: r["state"] for r in json.loads(out)}
-        assert states == {1: "promoted", 2: "promoted", 3: "unknown", 4: "unknown", 9: "unknown"}
+        assert states == {1: "promoted", 2: "promoted", 3: "unknown", 4: "set aside", 9: "unknown"}
 
 
 class TestLatest:
@@ -331,7 +332,7 @@ class TestGc:
     ) -> None:
         daemon = start([root])
         populate(daemon, root)
-        failed = root / "tmp_step_4"
+        (failed,) = (root / ".ckptd-trash").glob("tmp_step_4.attempt-*")  # set aside
         code, out, _ = cli(capsys, "gc", str(root), "--socket", sock(daemon))
         assert (code, out) == (0, f"would remove (pass --yes): {failed}\n")
         assert failed.is_dir()

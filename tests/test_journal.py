@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import errno
 import os
+import struct
 import subprocess
+import sys
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,6 +24,7 @@ from daemon._journal import (
     JForget,
     JIntent,
     Journal,
+    JournalFormatError,
     JournalRecord,
     JPromoted,
     JSaveFailed,
@@ -244,3 +249,42 @@ class TestFullDisk:
         journal.close()
         assert caught and caught[0].errno == errno.ENOSPC
         assert _reopen(path) == RECORDS[:4]
+
+
+class TestVersions:
+    """Records of another version: older shapes replay; an unknown kind stops the daemon."""
+
+    def test_begin_without_attempt_replays_as_unnamed(self, tmp_path: Path) -> None:
+        old = msgspec.msgpack.encode(["b", "/ckpt/run", 1, 0, 2, 100.0])  # before attempts
+        data = b"CKPTDJ\x00\x01" + struct.pack("<II", len(old), zlib.crc32(old)) + old
+        assert parse(data).records == [JBegin("/ckpt/run", 1, 0, 2, 100.0, "")]
+
+    def test_unknown_intact_record_refuses_and_keeps_the_file(
+        self, tmp_path: Path, short_dir: Path
+    ) -> None:
+        state = tmp_path / "state"
+        state.mkdir()
+        path = state / "journal"
+        _write(path, RECORDS)
+        newer = msgspec.msgpack.encode(["z", "/ckpt/run", 3, "a record of a newer version"])
+        with open(path, "ab") as fh:
+            fh.write(struct.pack("<II", len(newer), zlib.crc32(newer)) + newer)
+            fh.write(frame(RECORDS[0]))  # acknowledged after it: must not be cut off
+        before = path.read_bytes()
+        with pytest.raises(JournalFormatError, match="newer ckptd"):
+            parse(before)
+        with pytest.raises(JournalFormatError):
+            Journal(str(path)).open()
+        assert path.read_bytes() == before
+        root = tmp_path / "run"
+        root.mkdir()
+        proc = subprocess.run(
+            [sys.executable, "-m", "daemon", "serve", "--root", str(root)]
+            + ["--socket", str(short_dir / "d.sock"), "--state-dir", str(state)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert "newer ckptd" in proc.stdout + proc.stderr
+        assert path.read_bytes() == before

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -10,6 +11,8 @@ import pytest
 
 from daemon import verify_checkpoint
 from daemon._faults import POINTS
+from daemon._journal import JBegin, JDone, JIntent, Journal, JournalRecord, JPromoted
+from orchestrator.protocol import FileEntry
 from tests.conftest import DaemonProcess, LineClient
 
 Factory = Callable[..., DaemonProcess]
@@ -36,7 +39,11 @@ def _assert_promoted_once(root: Path, step: int) -> None:
     assert not (root / f"tmp_step_{step}").exists()
     assert verify_checkpoint(str(root / f"step_{step}")) == []
     assert os.readlink(root / "latest") == f"step_{step}"
-    assert sorted(p.name for p in root.iterdir()) == ["latest", f"step_{step}"]
+    assert sorted(p.name for p in root.iterdir()) == [
+        ".ckptd-layout.json",
+        "latest",
+        f"step_{step}",
+    ]
 
 
 class TestCrashDuringPromotion:
@@ -174,3 +181,41 @@ class TestRecoveryEvidence:
         lines = " ".join(str(e.get("line", "")) for e in second.drain())
         assert "another ckptd is using this state directory" in lines
         second.stop()
+
+
+class TestClockSteps:
+    """Replay rebuilds what happened: wall-clock times in the journal never re-decide it."""
+
+    def test_promoted_step_stays_promoted_across_a_clock_jump(
+        self, daemon_factory: Factory, root: Path, tmp_path: Path
+    ) -> None:
+        # The wall clock stepped two hours forward between the begin and the done (NTP
+        # after a VM pause): the live daemon, on its monotonic clock, saw one second and
+        # promoted the step. Replaying those times must not fail it after the fact.
+        t = time.time() - 2.5 * 3600
+        path, attempt = str(root), "a1b2c3d4e5f60718"
+        files = [FileEntry("model/r0.bin", 10)]
+        records: list[JournalRecord] = [
+            JBegin(path, 5, 0, 1, t, attempt),
+            JDone(path, 5, 0, files, t + 7200),
+            JIntent(path, 5),
+            JPromoted(path, 5, str(root / "step_5"), t + 7201),
+            JBegin(path, 6, 0, 2, t + 7000, attempt),
+            JDone(path, 6, 0, files, t + 7100),
+        ]
+        state = tmp_path / "state"
+        journal = Journal(str(state / "journal"))
+        journal.open()
+        journal.compact(records)
+        journal.close()
+        (root / "step_5").mkdir()
+        daemon = daemon_factory([root], "--state-dir", str(state))
+        assert daemon.wait_event("daemon.recovered")["skipped"] == 0
+        with LineClient(daemon.socket_path) as client:
+            saves = {s["step"]: s for s in client.request("status")["saves"]}
+            reply = client.request("wait", root=path, step=5, timeout=5)
+        assert (saves[5]["state"], reply["state"]) == ("promoted", "promoted")
+        # Step 6 was open (one rank done of two), well within its hour: still open.
+        assert saves[6]["state"] == "open"
+        assert [(r["rank"], r["state"]) for r in saves[6]["ranks"]] == [(0, "done")]
+        assert "checkpoint.failed" not in [e["event"] for e in daemon.drain()]

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from daemon._config import load_config
+from daemon._errors import ConfigError
+from tests._system import require_root
 from tests.conftest import DaemonProcess, LineClient
 
 Factory = Callable[..., DaemonProcess]
@@ -145,3 +148,58 @@ class TestSymlinkConfinement:
             other = client.request("begin", root=str(alias), step=2, rank=0, world_size=1)
         # Only the configured path or its resolved form name the root.
         assert other["error"]["code"] == "root_not_configured"
+
+
+class TestRootIdentity:
+    """A root is one directory under one lock: symlinked roots resolve, aliases and nests fail."""
+
+    def test_symlinked_root_stays_where_it_resolved(
+        self, daemon_factory: Factory, tmp_path: Path
+    ) -> None:
+        first, second = tmp_path / "first", tmp_path / "second"
+        first.mkdir()
+        second.mkdir()
+        link = tmp_path / "run"
+        link.symlink_to(first)
+        daemon = daemon_factory([link])
+        with LineClient(daemon.socket_path) as client:
+            reply = client.request("begin", root=str(link), step=1, rank=0, world_size=1)
+            assert reply["ok"] and reply["path"] == str(first / "tmp_step_1")
+            (first / "tmp_step_1" / "shard").write_bytes(b"x")
+            # An operator re-points the link mid-run: the save stays where it began.
+            link.unlink()
+            link.symlink_to(second)
+            files = [{"path": "shard", "size": 1}]
+            done = client.request("done", root=str(link), step=1, rank=0, files=files)
+            assert done["ok"], done
+            assert client.request("wait", root=str(link), step=1, timeout=30)["state"] == (
+                "promoted"
+            )
+        assert (first / "step_1" / "shard").read_bytes() == b"x"
+        assert os.readlink(first / "latest") == "step_1"
+        assert sorted(os.listdir(second)) == []
+
+    @pytest.mark.parametrize("shape", ["symlink-alias", "bind-alias", "nested"])
+    def test_aliased_or_nested_roots_are_refused(self, tmp_path: Path, shape: str) -> None:
+        real = tmp_path / "real"
+        real.mkdir()
+        if shape == "symlink-alias":
+            other = tmp_path / "alias"
+            other.symlink_to(real)
+            expected = "are the same directory"
+        elif shape == "nested":
+            other = real / "inner"
+            other.mkdir()
+            expected = "roots must not nest"
+        else:
+            other = tmp_path / "bound"
+            other.mkdir()
+            require_root("bind mounts")
+            subprocess.run(["mount", "--bind", str(real), str(other)], check=True)
+            expected = "are the same directory"
+        try:
+            with pytest.raises(ConfigError, match=expected):
+                load_config(roots=[str(real), str(other)], state_dir=str(tmp_path / "s"))
+        finally:
+            if shape == "bind-alias":
+                subprocess.run(["umount", str(other)], check=True)
