@@ -208,7 +208,7 @@ class TestRankKilled:
         assert "lease" in failed["reason"] or "rank 0" in failed["reason"], failed
         assert job.procs[0].wait(60) != 0
         assert not (root / "step_2").exists()
-        assert (root / "tmp_step_2").is_dir()  # kept for inspection
+        assert list((root / ".ckptd-trash").glob("tmp_step_2.attempt-*"))  # kept, set aside
         assert os.readlink(root / "latest") == "step_1"
         assert _state(daemon, root, 2) == "failed"
         _assert_model_loads(root / "step_1", side, 1)
