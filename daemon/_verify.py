@@ -105,6 +105,8 @@ def scan_save(
     for rank, entries in sorted(reported.items()):
         for entry in entries:
             size = files.get(os.path.normpath(entry.path))
+            if size is None and _bookkeeping(os.path.normpath(entry.path)):
+                size = _size(os.path.join(tmp, entry.path))  # e.g. a rank listing every file
             if size is None:
                 problems.append(f"{entry.path}: reported by rank {rank} but missing")
             elif size < entry.size:
@@ -190,6 +192,14 @@ def verify_checkpoint(path: str) -> list[str]:
             continue
         problems += [_join(rel_dir, p) for p in check_dcp_dir(full)]
     return problems
+
+
+def _size(path: str) -> int | None:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
 def _checked_tmp(root: RootConfig, tmp: str) -> str:

@@ -76,7 +76,7 @@ class TestAttemptIds:
             assert (reply["state"], reply["attempt"]) == ("promoted", attempt)
         assert daemon.wait_event("checkpoint.promoted")["attempt"] == attempt
         assert _manifest(root / "step_3")["attempt"] == attempt
-        assert ATTEMPT_MARKER not in _manifest(root / "step_3")["files"]
+        assert ATTEMPT_MARKER not in _manifest(root / "step_3")["files"]  # the daemon's own
         assert main(["verify", str(root / "step_3")]) == 0
 
     def test_a_stale_attempt_changes_nothing(self, daemon_factory: Factory, root: Path) -> None:

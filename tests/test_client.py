@@ -62,7 +62,7 @@ class TestReconnect:
             assert not begun.acknowledged
             daemon = daemon_factory([root])
             daemon.wait_event("save.begun", match=lambda e: e["step"] == 1)
-            (root / "tmp_step_1").mkdir()
+            (root / "tmp_step_1").mkdir(exist_ok=True)
             (root / "tmp_step_1" / "w.bin").write_bytes(b"w" * 10)
             client.done(str(root), 1, 0, [FileEntry("w.bin", 10)])
             assert client.wait(str(root), 1, 30.0).state == "promoted"
@@ -81,7 +81,7 @@ class TestReconnect:
             # The journal brought the save back; the client reconnects and re-attaches.
             assert restarted.wait_event("daemon.recovered")["in_flight"] == 1
             restarted.wait_event("save.rank_reconnected", match=lambda e: e["step"] == 7)
-            (root / "tmp_step_7").mkdir()
+            (root / "tmp_step_7").mkdir(exist_ok=True)
             client.done(str(root), 7, 0)
             assert client.wait(str(root), 7, 30.0).state == "promoted"
         finally:
@@ -127,7 +127,7 @@ class TestJournalFull:
         daemon = daemon_factory([root], "--state-dir", str(small_fs / "state"))
         with CheckpointClient(str(daemon.socket_path)) as client:
             assert client.begin(str(root), 2, 0, 1).acknowledged
-            (root / "tmp_step_2").mkdir()
+            (root / "tmp_step_2").mkdir(exist_ok=True)
             (root / "tmp_step_2" / "w.bin").write_bytes(b"w")
             filler = _fill(small_fs)
             # Large enough that its journal record needs blocks the full disk lacks.
@@ -144,7 +144,7 @@ class TestJournalFull:
         daemon = daemon_factory([root], "--state-dir", str(small_fs / "state"))
         with LineClient(daemon.socket_path) as rank:
             assert rank.request("begin", root=str(root), step=3, rank=0, world_size=1)["ok"]
-            (root / "tmp_step_3").mkdir()
+            (root / "tmp_step_3").mkdir(exist_ok=True)
             (root / "tmp_step_3" / "w.bin").write_bytes(b"w")
             filler = _fill(small_fs)
             files = [{"path": "w.bin", "size": 1}] * 1000
@@ -177,7 +177,7 @@ class TestTrack:
                 handle.add(Future())
             first.set_result(None)
             assert not handle.wait_local(0)  # one part still in flight: no done
-            (root / "tmp_step_3").mkdir()
+            (root / "tmp_step_3").mkdir(exist_ok=True)
             second.set_result(None)
             assert handle.wait_local(30)
             assert client.wait(str(root), 3, 30.0).state == "promoted"
@@ -256,7 +256,7 @@ class TestBeginNotAwaited:
             assert daemon.proc is not None
             daemon.proc.send_signal(signal.SIGCONT)
             assert handle.begun.acknowledged
-            (root / "tmp_step_2").mkdir()
+            (root / "tmp_step_2").mkdir(exist_ok=True)
             future.set_result(None)
             assert client.wait(str(root), 2, 30.0).state == "promoted"
 

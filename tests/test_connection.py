@@ -106,4 +106,11 @@ class TestWaits:
             client.send_raw(json.dumps(wait).encode() + b"\n")
             client.sock.shutdown(socket.SHUT_WR)
             reply = client.recv()
-        assert reply == {"id": 9, "ok": True, "state": "pending", "path": None, "reason": None}
+        assert reply == {
+            "id": 9,
+            "ok": True,
+            "state": "pending",
+            "path": None,
+            "reason": None,
+            "attempt": None,
+        }

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from daemon._errors import RequestError
+from daemon._journal import JBegin
 from daemon._ledger import Effect, Emit, Ledger, SaveKey, SetAside, Settled, Verify
 from orchestrator.protocol import ErrorCode, FileEntry, RankState, SaveState
 
@@ -206,6 +207,80 @@ class TestBegin:
         )
         assert len(ledger) == 3
         assert {s.key for s in ledger} == {KEY, other_step, other_root}
+
+
+class TestAttempts:
+    """Each attempt has an id; a stale one changes nothing; no writer joins past OPEN."""
+
+    def test_first_begin_names_the_attempt_and_the_rest_join_it(self) -> None:
+        ledger = make_ledger()
+        ledger.begin(KEY, 0, 2, conn=1, now=0.0, fresh="a1")
+        ledger.begin(KEY, 1, 2, conn=2, now=0.0, fresh="ignored")
+        save = ledger.get(KEY)
+        assert save is not None and save.attempt == "a1"
+        assert [r.attempt for r in ledger.drain_records() if isinstance(r, JBegin)] == [
+            "a1",
+            "a1",
+        ]
+
+    def test_a_new_job_gets_a_new_attempt_and_the_old_one_is_stale(self) -> None:
+        ledger = make_ledger()
+        ledger.begin(KEY, 0, 1, conn=1, now=0.0, fresh="old")
+        effects = ledger.fail(KEY, 0, "crash", now=1.0)
+        assert [type(e).__name__ for e in effects] == ["Emit", "SetAside"]
+        retried = ledger.begin(KEY, 0, 1, conn=2, now=2.0, fresh="new")
+        assert emitted(retried, "save.retried")["previous_attempt"] == "old"
+        for call in (
+            lambda: ledger.done(KEY, 0, FILES, conn=1, now=3.0, attempt="old"),
+            lambda: ledger.fail(KEY, 0, "late", now=3.0, attempt="old"),
+            lambda: ledger.begin(KEY, 0, 1, conn=1, now=3.0, resent=True, attempt="old"),
+        ):
+            with refused(ErrorCode.STALE_ATTEMPT):
+                call()
+        assert state(ledger) is SaveState.OPEN
+        done = ledger.done(KEY, 0, FILES, conn=2, now=4.0, attempt="new")
+        assert names(done) == ["save.rank_done", "Verify"]
+
+    @pytest.mark.parametrize("stage", ["verifying", "promoting", "promoted"])
+    def test_no_writer_joins_past_open(self, stage: str) -> None:
+        ledger = make_ledger()
+        ledger.begin(KEY, 0, 2, conn=1, now=0.0, fresh="a1")
+        ledger.begin(KEY, 1, 2, conn=2, now=0.0)
+        done_all(ledger, 2)
+        if stage != "verifying":
+            ledger.verified(KEY)
+        if stage == "promoted":
+            ledger.promoted(KEY, f"{ROOT}/step_7", now=2.0)
+        code = ErrorCode.ALREADY_PROMOTED if stage == "promoted" else ErrorCode.STEP_CLOSED
+        # Neither a new process nor the same connection beginning again may write.
+        for conn in (9, 1):
+            with refused(code):
+                ledger.begin(KEY, 0, 2, conn=conn, now=3.0)
+        # A done rank re-sending its begin after a reconnect is answered, changing nothing.
+        assert ledger.begin(KEY, 0, 2, conn=9, now=3.0, resent=True) == []
+        assert ledger.begin(KEY, 1, 2, conn=9, now=3.0, attempt="a1") == []
+        assert state(ledger) is SaveState(stage)
+
+    def test_set_aside_is_journaled_and_replayed(self) -> None:
+        ledger = make_ledger()
+        ledger.begin(KEY, 0, 1, conn=1, now=0.0, fresh="a1")
+        ledger.fail(KEY, 0, "crash", now=1.0)
+        ledger.set_aside(KEY, "a1", "/trash/x", now=1.5)
+        ledger.set_aside(KEY, "other", "/trash/y", now=1.5)  # not this attempt: ignored
+        records = ledger.drain_records()
+        replayed = make_ledger()
+        for record in records:
+            replayed.replay(record, now=0.0)
+        save = replayed.get(KEY)
+        assert save is not None and (save.attempt, save.set_aside) == ("a1", "/trash/x")
+        snap = make_ledger()
+        for record in ledger.snapshot():
+            snap.replay(record, now=0.0)
+        again = snap.get(KEY)
+        assert again is not None and (again.state, again.set_aside) == (
+            SaveState.FAILED,
+            "/trash/x",
+        )
 
 
 class TestDone:

@@ -746,6 +746,19 @@ class TestFail:
 class TestWait:
     """``wait`` answers when the step settles, or ``pending`` at its timeout."""
 
+    def test_waits_on_steps_that_never_begin_leave_nothing(
+        self, start: Start, root: Path
+    ) -> None:
+        daemon = start([root])
+        with connect(daemon) as client:
+            for step in range(1000, 1250):
+                request = {"op": "wait", "id": step, "root": str(root), "step": step}
+                client.send_raw(json.dumps({**request, "timeout": 0.05}).encode() + b"\n")
+            replies = [client.recv() for _ in range(250)]
+            assert {r["state"] for r in replies} == {"pending"}
+            status = ok(client.request("status"))
+        assert (status["waits"], status["waited_steps"]) == (0, 0)
+
     def test_timeout_on_pending_step(self, start: Start, root: Path) -> None:
         daemon = start([root])
         with connect(daemon) as client:
@@ -773,8 +786,9 @@ class TestWait:
             "state": "promoted",
             "path": str(root / "step_42"),
             "reason": None,
-            "attempt": None,
+            "attempt": reply["attempt"],
         }
+        assert reply["attempt"]  # the attempt that was promoted
 
     def test_wait_for_step_promoted_before_the_daemon_started(
         self, start: Start, root: Path

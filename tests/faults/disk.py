@@ -125,7 +125,7 @@ def enospc_during_promotion(workdir: Path) -> Outcome:
     out = Outcome(
         "filesystem full when promotion starts (4 MiB tmpfs)",
         "checkpoint.failed 'promotion failed: write manifest failed ...: No space left on "
-        "device'; nothing visible as step_N; tmp dir intact; step_1 untouched; the daemon "
+        "device'; nothing visible as step_N; tmp dir set aside intact; step_1 untouched; the daemon "
         "keeps serving",
     )
     with small_tmpfs(workdir / "mnt", "4m") as mnt, _daemon(mnt, workdir) as daemon:
@@ -147,7 +147,10 @@ def enospc_during_promotion(workdir: Path) -> Outcome:
         _expect(out, second["state"] == "failed", f"step 2: {second}")
         _expect(out, "write manifest" in reason and _NO_SPACE in reason, f"reason: {reason}")
         _expect(out, not (mnt / "step_2").exists(), "step_2 visible")
-        _expect(out, _listing(mnt / "tmp_step_2") == before, "tmp_step_2 changed")
+        # The failed attempt's files are kept, intact, set aside in the trash.
+        kept = list((mnt / ".ckptd-trash").glob("tmp_step_2.attempt-*"))
+        _expect(out, len(kept) == 1, f"step 2's files set aside: {kept}")
+        _expect(out, bool(kept) and _listing(kept[0]) == before, "tmp_step_2 changed")
         _expect(out, verify_checkpoint(str(mnt / "step_1")) == [], "step_1 fails verify")
         _expect(out, third["state"] == "promoted", f"step 3: {third}")
         out.observed = f"step 2 failed: {reason[:160]}; step 3: {third['state']}"
