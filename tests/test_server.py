@@ -867,7 +867,10 @@ class TestGc:
             assert event["steps"] == [2, 3]
             assert not (root / "tmp_step_2").exists()
             assert not (root / "tmp_step_3").exists()
-            assert list((root / ".ckptd-trash").iterdir()) == []
+            deleted = {daemon.wait_event("trash.deleted", TIMEOUT)["entry"] for _ in range(2)}
+            assert {name.split(".")[0] for name in deleted} == {"tmp_step_2", "tmp_step_3"}
+            assert list((root / ".ckptd-trash").iterdir()) == [root / ".ckptd-trash" / "delete"]
+            assert list((root / ".ckptd-trash" / "delete").iterdir()) == []
             assert (root / "tmp_step_4" / "model" / "rank0-0.bin").is_file()
             assert (root / "tmp_step_5").is_dir()
             assert sorted(p.name for p in (root / "step_1" / "model").iterdir()) == promoted_files
@@ -875,7 +878,13 @@ class TestGc:
             assert [s["step"] for s in ok(client.request("status"))["saves"]] == [1, 4]
 
             again = ok(client.request("gc", root=str(root), remove=True))
-            assert again == {"id": again["id"], "ok": True, "candidates": [], "removed": False}
+            assert again == {
+                "id": again["id"],
+                "ok": True,
+                "candidates": [],
+                "removed": False,
+                "set_aside": [],
+            }
             # The active save still promotes after gc.
             ok(begin(client, root, 4, 1, 2))
             ok(done(active, root, 4, 0, []))
