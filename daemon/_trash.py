@@ -145,8 +145,10 @@ def remove_entry(path: str, *, workers: int = WORKERS, mounts: Iterable[str] = (
 
 def _mount_point(entry: os.DirEntry[str], device: int, mount_points: set[str]) -> bool:
     """Whether ``entry`` (a directory) is where another filesystem is mounted."""
-    # lstat answers from the mounted filesystem: on a hung one this waits for it.
-    return entry.path in mount_points or entry.stat(follow_symlinks=False).st_dev != device
+    # As ``rm --one-file-system``: another device is another filesystem. The lstat is
+    # answered by the mounted filesystem (a hung one keeps this thread waiting). A bind
+    # mount of the same filesystem shares its device, hence the mount table too.
+    return entry.stat(follow_symlinks=False).st_dev != device or entry.path in mount_points
 
 
 def _block(blocked: set[str], directory: str, top: str) -> None:

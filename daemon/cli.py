@@ -376,11 +376,12 @@ def _gc(args: argparse.Namespace) -> int:
     reply = _call(args, p.Gc(id=1, root=root, remove=args.yes), 600.0)
     if not reply["ok"]:
         return _refused(reply)
-    if not reply["candidates"]:
+    paths = reply["candidates"] + reply.get("set_aside", [])
+    if not paths:
         print(f"{root}: nothing to collect")
         return 0
     verb = "removed" if reply["removed"] else "would remove (pass --yes)"
-    for path in reply["candidates"]:
+    for path in paths:
         print(f"{verb}: {path}")
     return 0
 

@@ -97,12 +97,12 @@ def ckptd(daemon: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]
 
 def promoted(daemon: DaemonProcess, root: Path, steps: list[int]) -> None:
     """Wait for ``checkpoint.promoted`` of each of ``steps`` in ``root``."""
+
+    def of(step: int) -> Callable[[dict[str, Any]], bool]:
+        return lambda e: bool(e["root"] == str(root) and e["step"] == step)
+
     for step in steps:
-        event = daemon.wait_event(
-            "checkpoint.promoted",
-            timeout=30.0,
-            match=lambda e, step=step: e["root"] == str(root) and e["step"] == step,
-        )
+        event = daemon.wait_event("checkpoint.promoted", timeout=30.0, match=of(step))
         assert event["path"] == str(root / f"step_{step}")
 
 
