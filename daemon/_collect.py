@@ -59,7 +59,7 @@ async def collect(daemon: Daemon, request_id: int, root: RootConfig, remove: boo
     removed = False
     if remove and (steps or kept):
         steps, kept = await _remove(daemon, root, steps, kept)
-        removed = True
+        removed = bool(steps or kept)
     trash = os.path.join(root.path, _gc.TRASH)
     return p.GcReply(
         id=request_id,
@@ -106,8 +106,10 @@ async def _remove(
         except OSError as exc:
             problems.append(f"the renames into the trash may not be durable: {exc.strerror}")
     crash_point("gc_after_doom")
-    daemon.trash.kick(root)
-    await daemon.commit([])
+    try:
+        await daemon.commit([])
+    finally:
+        daemon.trash.kick(root)  # the renames happened, whether journaled or not
     daemon.events.emit("gc.removed", root=root.path, steps=steps, set_aside=[k.name for k in kept])
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""

@@ -94,6 +94,7 @@ def remove_entry(path: str, *, workers: int = WORKERS, mounts: Iterable[str] = (
     try:
         top = os.lstat(path)
     except OSError as exc:
+        result.gone = exc.errno == errno.ENOENT
         _problem(result, path, exc)
         return result
     mount_points = set(mounts)
@@ -114,13 +115,18 @@ def remove_entry(path: str, *, workers: int = WORKERS, mounts: Iterable[str] = (
         try:
             with os.scandir(directory) as entries:
                 for entry in entries:
-                    if not entry.is_dir(follow_symlinks=False):
-                        files.append(entry.path)
-                    elif _mount_point(entry, top.st_dev, mount_points):
-                        result.busy.append(f"{entry.path} is a mount point")
-                        _block(blocked, directory, path)
-                    else:
-                        stack.append(entry.path)
+                    try:
+                        if not entry.is_dir(follow_symlinks=False):
+                            files.append(entry.path)
+                        elif _mount_point(entry, top.st_dev, mount_points):
+                            result.busy.append(f"{entry.path} is a mount point")
+                            _block(blocked, directory, path)
+                        else:
+                            stack.append(entry.path)
+                    except OSError as exc:
+                        if exc.errno != errno.ENOENT:  # gone meanwhile: nothing to do
+                            _problem(result, entry.path, exc)
+                            _block(blocked, directory, path)
         except OSError as exc:
             if exc.errno != errno.ENOENT:
                 _problem(result, directory, exc)

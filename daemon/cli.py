@@ -126,7 +126,9 @@ def _parser() -> argparse.ArgumentParser:
     rescue.add_argument("root")
     rescue.add_argument("step", type=int)
 
-    gc = command("gc", "list failed and orphaned tmp dirs of ROOT; remove with --yes", _gc)
+    gc = command(
+        "gc", "list failed and orphaned tmp dirs and set-aside attempts; remove with --yes", _gc
+    )
     gc.add_argument("root")
     gc.add_argument("--yes", action="store_true", help="remove them")
     return parser

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from daemon.cli import main
 from tests._fuse import bindfs_mount
 from tests._system import in_ci, require_root, require_tool
 from tests.conftest import REPO, DaemonProcess, LineClient
@@ -371,3 +372,30 @@ class TestTrashLayout:
                 assert daemon.wait_event("gc.removed", TIMEOUT)["steps"] == [1]
                 listed = ok(client.request("gc", root=str(root)))
                 assert listed["candidates"] == [str(root / "tmp_step_2")]
+
+
+class TestCommandLine:
+    """``ckptd gc`` lists set-aside attempts with the tmp dirs and removes them together."""
+
+    def test_list_then_remove(
+        self, start: Start, root: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        set_aside = trash(root) / "tmp_step_3.failed-00aa11bb22cc"
+        set_aside.mkdir(parents=True)
+        daemon = start([root])
+        with connect(daemon) as client:
+            failed_step(client, daemon, root, 4)
+        argv = ["gc", str(root), "--socket", str(daemon.socket_path)]
+        capsys.readouterr()
+        assert main(argv) == 0
+        assert capsys.readouterr().out == (
+            f"would remove (pass --yes): {root / 'tmp_step_4'}\n"
+            f"would remove (pass --yes): {set_aside}\n"
+        )
+        assert main([*argv, "--yes"]) == 0
+        assert capsys.readouterr().out == f"removed: {root / 'tmp_step_4'}\nremoved: {set_aside}\n"
+        assert not set_aside.exists()
+        deleted = sorted(daemon.wait_event("trash.deleted", TIMEOUT)["entry"] for _ in range(2))
+        assert deleted[0] == set_aside.name and deleted[1].startswith("tmp_step_4.")
+        assert main(argv) == 0
+        assert capsys.readouterr().out == f"{root}: nothing to collect\n"
