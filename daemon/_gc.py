@@ -92,9 +92,11 @@ def set_aside(root: RootConfig) -> list[SetAside]:
         return []
     found: list[SetAside] = []
     for name in names:
-        head, dot, _suffix = name.partition(".")
-        step = root.parse_step(head, root.tmp_prefix) if dot else None
-        if step is not None:
+        if not name.startswith(root.tmp_prefix):
+            continue
+        digits, dot, suffix = name[len(root.tmp_prefix) :].partition(".")
+        step = root.parse_step(root.tmp_prefix + digits, root.tmp_prefix)
+        if step is not None and dot and suffix:
             found.append(SetAside(name, step))
     return sorted(found, key=lambda s: (s.step, s.name))
 

@@ -255,8 +255,8 @@ class _RootRemover:
         try:
             while self._wait():
                 self._pass()
-        except RuntimeError:
-            return  # the event loop is gone: the daemon is exiting
+        except _LoopGone:
+            return  # the daemon is exiting; the next run resumes
 
     def _wait(self) -> bool:
         """Wait for a kick or the next retry; False once closed."""
@@ -330,7 +330,14 @@ class _RootRemover:
                 pending.delay = min(pending.delay * 2, MAX_RETRY)
 
     def _event(self, name: str, level: str, **fields: Any) -> None:
-        self._emit(name, level, root=self._root.path, **fields)
+        try:
+            self._emit(name, level, root=self._root.path, **fields)
+        except RuntimeError:  # anyio: the event loop is closed
+            raise _LoopGone from None
+
+
+class _LoopGone(Exception):
+    """The event loop that takes this thread's events has ended."""
 
 
 def _mount_points(base: str) -> list[str]:
