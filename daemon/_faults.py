@@ -2,8 +2,8 @@
 
 ``CKPTD_CRASH_AT=<point>`` in the daemon's environment makes it exit at once, as if
 SIGKILLed, the first time it reaches that point; ``CKPTD_CRASH_AT=<point>:<n>`` at the
-n-th time. The points sit in the narrow windows of promotion that random kills rarely
-hit. Unset (always, in production) it costs one comparison.
+n-th time. The points sit in the narrow windows of promotion (and of ``gc``) that
+random kills rarely hit. Unset (always, in production) it costs one comparison.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Final
 
-__all__ = ["POINTS", "crash_point"]
+__all__ = ["GC_POINTS", "POINTS", "crash_point"]
 
 POINTS: Final = (
     "before_intent",
@@ -24,6 +24,10 @@ POINTS: Final = (
     "after_promoted",
 )
 """Every crash point, in the order promotion reaches them."""
+
+GC_POINTS: Final = ("gc_after_doom",)
+"""Crash points of ``gc``: after its renames into the trash, before it journals or
+deletes anything."""
 
 _spec = os.environ.get("CKPTD_CRASH_AT", "")
 _target, _, _nth = _spec.partition(":")

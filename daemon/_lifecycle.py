@@ -69,6 +69,7 @@ async def serve(
                     await services.start(_watch_signals, stop, daemon)
                 services.start_soon(journal.run, daemon.journal_snapshot)
                 await recover(daemon, replay)
+                daemon.trash.start()  # also deletes what a previous run doomed
                 services.start_soon(daemon.timekeeper)
                 if shutdown_trigger is not None:
                     services.start_soon(_trigger, shutdown_trigger, stop)
@@ -99,6 +100,7 @@ async def serve(
                 # outcome before the journal writer stops.
                 await daemon.promoter.idle()
                 services.cancel_scope.cancel()
+        daemon.trash.close()
         daemon.events.emit("daemon.stopped")
     finally:
         journal.close()

@@ -24,7 +24,8 @@ from anyio.abc import SocketAttribute, SocketStream
 
 from orchestrator import protocol as p
 
-from . import _attempts, _gc
+from . import _attempts
+from ._collect import collect
 from ._config import Config, RootConfig
 from ._connection import Connection
 from ._errors import RequestError, VerificationError
@@ -36,6 +37,7 @@ from ._owners import AttemptDirs
 from ._paths import check_relative, check_tmp_dir
 from ._promoter import LocalStorage, Storage, latest_promoted
 from ._promotion import Promoter
+from ._trash import TrashRemover
 from ._verify import scan_save
 
 __all__ = ["VERSION", "Daemon"]
@@ -46,7 +48,6 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
     VERSION = "0+unknown"
 
 _SETTLED = (p.SaveState.PROMOTED, p.SaveState.FAILED)
-_ORPHAN_AGE = 3600.0
 
 
 class Daemon:
@@ -85,7 +86,9 @@ class Daemon:
         self._durable = 0  # changes ever made durable
         self._held: deque[tuple[int, list[Effect]]] = deque()  # effects awaiting durability
         self._flushing: anyio.Event | None = None  # set when the flush under way ends
-        self._collecting: set[SaveKey] = set()  # steps gc is removing right now
+        self._collecting: set[SaveKey] = set()  # steps gc is removing right now (_collect)
+        self.trash = TrashRemover(self.events, config.roots)
+        """Deletes what gc doomed, in the background; started by ``serve``."""
         self.promoter = Promoter(self, storage or LocalStorage())
         self.attempt_dirs = AttemptDirs(self)
         """Each attempt's own tmp directory: prepared before begin, set aside on failure."""
@@ -287,8 +290,7 @@ class Daemon:
                 root = self.configured(root_path)
                 return await self._rescue(request.id, root, step, wait_s=timeout)
             case p.Gc(root=root_path, remove=remove):
-                root = self.configured(root_path)
-                return await self._gc(request.id, root, remove)
+                return await collect(self, request.id, self.configured(root_path), remove)
         raise RequestError(p.ErrorCode.UNKNOWN_OP, f"unhandled op {type(request).__name__}")
 
     async def _begin(self, conn: int, request: p.Begin) -> p.BeginReply:
@@ -443,44 +445,6 @@ class Daemon:
         await self.commit(self.ledger.rescue(key, self.clock(), attempt=attempt))
         wait = p.Wait(id=request_id, root=root.path, step=step, timeout=wait_s)
         return await self.settled(wait, root)
-
-    async def _gc(self, request_id: int, root: RootConfig, remove: bool) -> p.GcReply:
-        # Under the root's lock: no promotion in this root runs while gc looks or removes.
-        async with self.root_locks[root.path]:
-            failed = {s.key.step for s in self._saves_of(root) if s.state is p.SaveState.FAILED}
-            set_aside = {s.key.step: s.set_aside for s in self._saves_of(root) if s.set_aside}
-            # An unknown tmp dir counts as orphaned only once it could no longer be a save
-            # whose ranks write before they begin.
-            min_age = self.config.save_timeout or _ORPHAN_AGE
-            on_disk = await anyio.to_thread.run_sync(
-                _gc.candidates, root, failed, self._active_steps(root), min_age
-            )
-            # A failed save with no directory left is still listed, so gc can clear it.
-            candidates = sorted(set(on_disk) | failed)
-            if remove and candidates:
-                keys = {SaveKey(root.path, step) for step in candidates}
-                self._collecting |= keys  # from here on, begin refuses these steps
-                try:
-                    # A begin may have slipped in while the candidates were listed.
-                    active = self._active_steps(root)
-                    candidates = [step for step in candidates if step not in active]
-                    await anyio.to_thread.run_sync(_gc.remove, root, candidates)
-                finally:
-                    self._collecting -= keys
-                for step in candidates:
-                    self.ledger.forget(SaveKey(root.path, step))
-                await self.commit([])
-                self.events.emit("gc.removed", root=root.path, steps=candidates)
-        kept = {s.key.step: s.set_aside for s in self._saves_of(root) if s.set_aside}
-        kept |= set_aside
-        paths = [kept.get(step) or root.tmp_dir(step) for step in candidates]
-        return p.GcReply(id=request_id, candidates=paths, removed=remove and bool(candidates))
-
-    def _saves_of(self, root: RootConfig) -> list[SaveRecord]:
-        return [s for s in self.ledger if s.key.root == root.path]
-
-    def _active_steps(self, root: RootConfig) -> set[int]:
-        return {s.key.step for s in self._saves_of(root) if s.state not in _SETTLED}
 
     # -- helpers -----------------------------------------------------------------------
 

@@ -127,7 +127,9 @@ def _parser() -> argparse.ArgumentParser:
     rescue.add_argument("root")
     rescue.add_argument("step", type=int)
 
-    gc = command("gc", "list failed and orphaned tmp dirs of ROOT; remove with --yes", _gc)
+    gc = command(
+        "gc", "list failed and orphaned tmp dirs and set-aside attempts; remove with --yes", _gc
+    )
     gc.add_argument("root")
     gc.add_argument("--yes", action="store_true", help="remove them")
     return parser
@@ -408,11 +410,12 @@ def _gc(args: argparse.Namespace) -> int:
     reply = _call(args, p.Gc(id=1, root=root, remove=args.yes), 600.0)
     if not reply["ok"]:
         return _refused(reply)
-    if not reply["candidates"]:
+    paths = reply["candidates"] + reply.get("set_aside", [])
+    if not paths:
         print(f"{root}: nothing to collect")
         return 0
     verb = "removed" if reply["removed"] else "would remove (pass --yes)"
-    for path in reply["candidates"]:
+    for path in paths:
         print(f"{verb}: {path}")
     return 0
 

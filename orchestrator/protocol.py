@@ -411,6 +411,8 @@ class GcReply(_Reply, frozen=True, kw_only=True):
 
     candidates: list[str]
     removed: bool
+    set_aside: list[str] = []
+    """Failed attempts' directories set aside in the root's trash that go with them."""
 
 
 _request_decoder: Final = msgspec.json.Decoder(Request)

@@ -30,6 +30,8 @@ class BindMount:
     def __init__(self, proc: subprocess.Popen[bytes], mount: Path) -> None:
         self.proc = proc
         self.mount = mount
+        """Where the mount is; a test that renames a directory above it sets it anew
+        (a mount moves with its parent), so that cleanup unmounts the right path."""
         self.stopped = False
 
     @property
@@ -79,7 +81,8 @@ def bindfs_mount(backing: Path, mount: Path, options: str = "") -> Iterator[Bind
     finally:
         if handle.stopped:
             handle.cont()
-        subprocess.run(["fusermount", "-u", "-z", str(mount)], check=False, capture_output=True)
+        cmd = ["fusermount", "-u", "-z", str(handle.mount)]
+        subprocess.run(cmd, check=False, capture_output=True)
         proc.terminate()
         try:
             proc.wait(10.0)

@@ -230,13 +230,12 @@ class TestAttempts:
         assert [type(e).__name__ for e in effects] == ["Emit", "SetAside"]
         retried = ledger.begin(KEY, 0, 1, conn=2, now=2.0, fresh="new")
         assert emitted(retried, "save.retried")["previous_attempt"] == "old"
-        for call in (
-            lambda: ledger.done(KEY, 0, FILES, conn=1, now=3.0, attempt="old"),
-            lambda: ledger.fail(KEY, 0, "late", now=3.0, attempt="old"),
-            lambda: ledger.begin(KEY, 0, 1, conn=1, now=3.0, resent=True, attempt="old"),
-        ):
-            with refused(ErrorCode.STALE_ATTEMPT):
-                call()
+        with refused(ErrorCode.STALE_ATTEMPT):
+            ledger.done(KEY, 0, FILES, conn=1, now=3.0, attempt="old")
+        with refused(ErrorCode.STALE_ATTEMPT):
+            ledger.fail(KEY, 0, "late", now=3.0, attempt="old")
+        with refused(ErrorCode.STALE_ATTEMPT):
+            ledger.begin(KEY, 0, 1, conn=1, now=3.0, resent=True, attempt="old")
         assert state(ledger) is SaveState.OPEN
         done = ledger.done(KEY, 0, FILES, conn=2, now=4.0, attempt="new")
         assert names(done) == ["save.rank_done", "Verify"]

@@ -746,9 +746,7 @@ class TestFail:
 class TestWait:
     """``wait`` answers when the step settles, or ``pending`` at its timeout."""
 
-    def test_waits_on_steps_that_never_begin_leave_nothing(
-        self, start: Start, root: Path
-    ) -> None:
+    def test_waits_on_steps_that_never_begin_leave_nothing(self, start: Start, root: Path) -> None:
         daemon = start([root])
         with connect(daemon) as client:
             for step in range(1000, 1250):
@@ -893,7 +891,10 @@ class TestGc:
             assert event["steps"] == [2, 3]
             assert not Path(kept).exists()
             assert not (root / "tmp_step_3").exists()
-            assert list((root / ".ckptd-trash").iterdir()) == []
+            deleted = {daemon.wait_event("trash.deleted", TIMEOUT)["entry"] for _ in range(2)}
+            assert {name.split(".")[0] for name in deleted} == {"tmp_step_2", "tmp_step_3"}
+            assert list((root / ".ckptd-trash").iterdir()) == [root / ".ckptd-trash" / "delete"]
+            assert list((root / ".ckptd-trash" / "delete").iterdir()) == []
             assert (root / "tmp_step_4" / "model" / "rank0-0.bin").is_file()
             assert (root / "tmp_step_5").is_dir()
             assert sorted(p.name for p in (root / "step_1" / "model").iterdir()) == promoted_files
@@ -901,7 +902,13 @@ class TestGc:
             assert [s["step"] for s in ok(client.request("status"))["saves"]] == [1, 4]
 
             again = ok(client.request("gc", root=str(root), remove=True))
-            assert again == {"id": again["id"], "ok": True, "candidates": [], "removed": False}
+            assert again == {
+                "id": again["id"],
+                "ok": True,
+                "candidates": [],
+                "removed": False,
+                "set_aside": [],
+            }
             # The active save still promotes after gc.
             ok(begin(client, root, 4, 1, 2))
             ok(done(active, root, 4, 0, []))

@@ -125,8 +125,8 @@ def enospc_during_promotion(workdir: Path) -> Outcome:
     out = Outcome(
         "filesystem full when promotion starts (4 MiB tmpfs)",
         "checkpoint.failed 'promotion failed: write manifest failed ...: No space left on "
-        "device'; nothing visible as step_N; tmp dir set aside intact; step_1 untouched; the daemon "
-        "keeps serving",
+        "device'; nothing visible as step_N; tmp dir set aside intact; step_1 untouched; "
+        "the daemon keeps serving",
     )
     with small_tmpfs(workdir / "mnt", "4m") as mnt, _daemon(mnt, workdir) as daemon:
         with LineClient(daemon.socket_path, timeout=60) as client:

@@ -1,0 +1,401 @@
+"""``gc`` end to end: slow removal never holds the root's lock; deletion is resumed and retried.
+
+Real daemons, real files, a real FUSE mount (bindfs) that hangs on demand and real bind
+mounts, which make the kernel answer ``EBUSY`` and ``ENOTEMPTY`` as a file still in use
+does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from daemon.cli import main
+from tests._fuse import bindfs_mount
+from tests._system import in_ci, require_root, require_tool
+from tests.conftest import REPO, DaemonProcess, LineClient
+from tests.test_server import (
+    TIMEOUT,
+    begin,
+    connect,
+    done,
+    error_code,
+    of,
+    ok,
+    reap,
+    write_files,
+)
+
+LIVENESS = 10.0
+"""Seconds a promotion may take while a removal in the same root hangs."""
+UNCACHED = "attr_timeout=0,entry_timeout=0"
+"""bindfs options under which every lookup and stat on the mount asks its server."""
+
+Start = Callable[..., DaemonProcess]
+
+
+@pytest.fixture
+def start(daemon_factory: Start) -> Iterator[Start]:
+    """``daemon_factory``; every daemon is reaped and its pipe closed at teardown."""
+    started: list[DaemonProcess] = []
+
+    def make(roots: list[Path], *extra: str, env: dict[str, str] | None = None) -> DaemonProcess:
+        daemon = daemon_factory(roots, *extra, env=env)
+        started.append(daemon)
+        return daemon
+
+    yield make
+    for daemon in started:
+        reap(daemon)
+
+
+def trash(root: Path) -> Path:
+    return root / ".ckptd-trash"
+
+
+def doomed(root: Path) -> list[Path]:
+    """What is waiting in the root's doomed area to be deleted."""
+    area = trash(root) / "delete"
+    return sorted(area.iterdir()) if area.is_dir() else []
+
+
+def failed_step(client: LineClient, daemon: DaemonProcess, root: Path, step: int) -> None:
+    """A one-rank save of ``step`` that wrote two 100-byte files and failed."""
+    ok(begin(client, root, step, 0, 1))
+    write_files(root / f"tmp_step_{step}", 0)
+    ok(client.request("fail", root=str(root), step=step, rank=0, reason="boom"))
+    daemon.wait_event("checkpoint.failed", TIMEOUT, of(root, step))
+
+
+def gc_cli(daemon: DaemonProcess, root: Path, *args: str) -> subprocess.Popen[str]:
+    """``ckptd gc ROOT ARGS`` as a real subprocess."""
+    cmd = [sys.executable, "-m", "daemon", "gc", str(root), *args]
+    cmd += ["--socket", str(daemon.socket_path)]
+    return subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = TIMEOUT) -> None:
+    """Return once ``condition()`` holds; fail after ``timeout`` seconds.
+
+    For a change only the filesystem shows (a rename nothing reports): it is re-checked
+    every 10 ms, as ``tests._fuse`` waits for a mount to appear.
+    """
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout}s")
+        time.sleep(0.01)
+
+
+def mount_under(root: Path) -> Path:
+    """The one mount point below ``root``: where a mount went when gc moved its parent."""
+    prefix = f"{root}/"
+    with open("/proc/self/mounts", encoding="utf-8") as fh:
+        points = [Path(line.split()[1]) for line in fh if line.split()[1].startswith(prefix)]
+    assert len(points) == 1, points
+    return points[0]
+
+
+def emitted_at(event: dict[str, Any]) -> float:
+    """The event's timestamp as seconds since the epoch."""
+    return datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
+
+
+class BindMount:
+    """A kernel bind mount; ``path`` follows it when a directory above it is renamed."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+
+@contextmanager
+def bind_mount(source: Path, target: Path) -> Iterator[BindMount]:
+    """Bind ``source`` onto ``target`` (``mount --bind``) for the block; needs root."""
+    require_tool("mount")
+    require_root("bind mounts")
+    made = subprocess.run(
+        ["mount", "--bind", str(source), str(target)], capture_output=True, text=True
+    )
+    if made.returncode != 0:
+        reason = f"mount --bind is not permitted here: {made.stderr.strip()}"
+        if in_ci():
+            pytest.fail(reason)
+        pytest.skip(reason)
+    handle = BindMount(target)
+    try:
+        yield handle
+    finally:
+        subprocess.run(["umount", "-l", str(handle.path)], check=False, capture_output=True)
+
+
+class TestHungRemoval:
+    """Deleting what gc removed happens after its reply, outside the root's lock."""
+
+    def test_promotion_completes_while_removal_hangs(
+        self, start: Start, root: Path, tmp_path: Path
+    ) -> None:
+        daemon = start([root])
+        backing = tmp_path / "backing"
+        backing.mkdir()
+        (backing / "data.bin").write_bytes(b"d" * 1000)
+        with connect(daemon) as client:
+            failed_step(client, daemon, root, 1)
+            ok(begin(client, root, 2, 0, 1))
+            files = write_files(root / "tmp_step_2", 0)
+            # A filesystem mounted inside what gc removes, whose server then stops
+            # answering: every call on it blocks, as on a hung NFS server.
+            with bindfs_mount(backing, root / "tmp_step_1" / "mnt", UNCACHED) as mount:
+                mount.stop()
+                gc = gc_cli(daemon, root, "--yes")
+                try:
+                    wait_until(lambda: not (root / "tmp_step_1").exists(), "gc's rename")
+                    mount.mount = mount_under(root)  # for cleanup, whatever happens next
+                    ok(done(client, root, 2, 0, files))
+                    daemon.wait_event("checkpoint.promoted", LIVENESS, of(root, 2))
+                    out, err = gc.communicate(timeout=LIVENESS)
+                finally:
+                    if gc.poll() is None:
+                        mount.cont()
+                        gc.kill()
+                        gc.communicate()
+                [entry] = doomed(root)
+                assert mount.mount == entry / "mnt"
+                assert (gc.returncode, out, err) == (0, f"removed: {root / 'tmp_step_1'}\n", "")
+                assert daemon.wait_event("gc.removed", TIMEOUT)["steps"] == [1]
+                assert os.readlink(root / "latest") == "step_2"
+
+                resumed = time.time()
+                mount.cont()
+                busy = daemon.wait_event("trash.busy", TIMEOUT)
+                # The remover waited on the hung mount, then left it alone: gc never
+                # deletes another filesystem's files.
+                assert emitted_at(busy) >= resumed
+                assert busy["entry"] == entry.name
+                assert busy["reason"] == f"{entry / 'mnt'} is a mount point"
+                assert busy["attempts"] == 1
+                assert (backing / "data.bin").read_bytes() == b"d" * 1000
+            deleted = daemon.wait_event("trash.deleted", TIMEOUT)
+            # tmp_step_1, model/, its two files, and the mount point once unmounted.
+            assert (deleted["entry"], deleted["entries"], deleted["bytes"]) == (entry.name, 5, 200)
+            assert deleted["attempts"] >= 2
+            assert doomed(root) == []
+            assert sorted(p.name for p in backing.iterdir()) == ["data.bin"]
+
+
+class TestResume:
+    """What was doomed before a crash is deleted after the restart."""
+
+    def test_sigkill_during_removal(self, start: Start, root: Path, tmp_path: Path) -> None:
+        daemon = start([root])
+        backing = tmp_path / "backing"
+        backing.mkdir()
+        with connect(daemon) as client:
+            failed_step(client, daemon, root, 1)
+            with bindfs_mount(backing, root / "tmp_step_1" / "mnt", UNCACHED) as mount:
+                mount.stop()
+                try:
+                    removed = ok(client.request("gc", root=str(root), remove=True))
+                finally:
+                    mount.mount = mount_under(root)  # for cleanup, whatever happened
+                assert removed["candidates"] == [str(root / "tmp_step_1")]
+                [entry] = doomed(root)
+                assert mount.mount == entry / "mnt"
+                daemon.kill()  # SIGKILL, while the removal waits on the hung mount
+        assert doomed(root) == [entry]
+        assert (entry / "model" / "rank0-0.bin").is_file()
+
+        daemon = start([root])
+        deleted = daemon.wait_event("trash.deleted", TIMEOUT)
+        assert (deleted["entry"], deleted["entries"], deleted["bytes"]) == (entry.name, 5, 200)
+        assert doomed(root) == []
+        with connect(daemon) as client:
+            # The step was forgotten before the kill (journaled before the reply).
+            assert ok(client.request("gc", root=str(root)))["candidates"] == []
+
+    def test_crash_after_rename_before_journal(self, start: Start, root: Path) -> None:
+        daemon = start([root], env={"CKPTD_CRASH_AT": "gc_after_doom"})
+        with connect(daemon) as client:
+            failed_step(client, daemon, root, 1)
+            request = {"op": "gc", "id": 1, "root": str(root), "remove": True}
+            client.send_raw(json.dumps(request).encode() + b"\n")
+            assert client.file.readline() == b""  # the daemon died before replying
+        assert daemon.stop() == 137
+        [entry] = doomed(root)
+        assert not (root / "tmp_step_1").exists()
+
+        daemon = start([root])
+        deleted = daemon.wait_event("trash.deleted", TIMEOUT)
+        assert (deleted["entry"], deleted["entries"], deleted["bytes"]) == (entry.name, 4, 200)
+        assert doomed(root) == []
+        with connect(daemon) as client:
+            # Forgetting the step was never journaled: gc lists it again and clears it.
+            listed = ok(client.request("gc", root=str(root)))
+            assert listed["candidates"] == [str(root / "tmp_step_1")]
+            ok(client.request("gc", root=str(root), remove=True))
+            assert daemon.wait_event("gc.removed", TIMEOUT)["steps"] == [1]
+            assert ok(client.request("gc", root=str(root)))["candidates"] == []
+            assert ok(begin(client, root, 1, 0, 1))["path"] == str(root / "tmp_step_1")
+
+
+class TestRetries:
+    """Transient failures are retried with a growing delay until the entry is gone."""
+
+    def test_file_in_use(self, start: Start, root: Path, tmp_path: Path) -> None:
+        daemon = start([root])
+        held = root / "tmp_step_1" / "model" / ".nfs00000000002a5f1c00000001"
+        source = tmp_path / "source.bin"
+        source.write_bytes(b"s" * 7)
+        with connect(daemon) as client:
+            failed_step(client, daemon, root, 1)
+            held.write_bytes(b"h" * 10)
+            # A file the kernel refuses to unlink while it is in use (EBUSY), named as
+            # an NFS client names a file unlinked while still open.
+            with bind_mount(source, held) as mount:
+                try:
+                    ok(client.request("gc", root=str(root), remove=True))
+                finally:
+                    mount.path = mount_under(root)  # for cleanup, whatever happened
+                [entry] = doomed(root)
+                assert mount.path == entry / "model" / held.name
+                first = daemon.wait_event("trash.busy", TIMEOUT)
+                assert first["reason"] == (
+                    f"{mount.path}: Device or resource busy (an NFS client's placeholder "
+                    "for a file still open somewhere)"
+                )
+                assert first["problems"] == 2  # the file (EBUSY) and model/ (ENOTEMPTY)
+                second = daemon.wait_event("trash.busy", TIMEOUT)
+                assert (first["attempts"], second["attempts"]) == (1, 2)
+                assert second["retry_in_s"] == 2 * first["retry_in_s"]
+                assert (entry / "model").is_dir()
+            deleted = daemon.wait_event("trash.deleted", TIMEOUT)
+        # The two files, the placeholder, model/ and the entry; what the mount showed
+        # is not counted.
+        assert (deleted["entry"], deleted["entries"], deleted["bytes"]) == (entry.name, 5, 210)
+        assert deleted["attempts"] >= 3
+        assert doomed(root) == []
+        assert source.read_bytes() == b"s" * 7
+
+    def test_many_files(self, start: Start, root: Path) -> None:
+        daemon = start([root])
+        with connect(daemon) as client:
+            failed_step(client, daemon, root, 1)
+            for d in range(10):
+                shard = root / "tmp_step_1" / f"shard{d}"
+                shard.mkdir()
+                for f in range(100):
+                    (shard / f"{f}.distcp").write_bytes(b"x" * 10)
+            ok(client.request("gc", root=str(root), remove=True))
+            deleted = daemon.wait_event("trash.deleted", TIMEOUT)
+        # 1000 shards in 10 directories, model/ with 2 files, and the entry itself.
+        assert (deleted["entries"], deleted["bytes"]) == (1014, 10_200)
+        assert deleted["attempts"] == 1
+        assert doomed(root) == []
+
+
+class TestTrashLayout:
+    """Only the doomed area is deleted by itself; set-aside attempts wait for a gc."""
+
+    def test_kept_until_gc_names_them(self, start: Start, root: Path, tmp_path: Path) -> None:
+        outside = tmp_path / "outside"
+        outside.mkdir()
+        (outside / "precious").write_text("keep")
+        kept = {
+            "tmp_step_7.failed-0123456789ab": b"a" * 3,
+            "tmp_step_8.attempt-0f1e2d3c": b"b" * 5,
+            "tmp_step_9.attempt-4b5a6978": b"c" * 7,
+        }
+        for name, data in kept.items():
+            (trash(root) / name / "model").mkdir(parents=True)
+            (trash(root) / name / "model" / "0.distcp").write_bytes(data)
+        (trash(root) / "notes.txt").write_text("an operator's")
+        # What a previous run doomed and did not get to delete, one entry a symlink out.
+        leftover = trash(root) / "delete" / "tmp_step_3.00112233aabb"
+        write_files(leftover, 0)
+        (trash(root) / "delete" / "tmp_step_4.44556677ccdd").symlink_to(outside)
+
+        daemon = start([root])
+        deleted = {daemon.wait_event("trash.deleted", TIMEOUT)["entry"] for _ in range(2)}
+        assert deleted == {"tmp_step_3.00112233aabb", "tmp_step_4.44556677ccdd"}
+        assert (outside / "precious").read_text() == "keep"
+        names = sorted(p.name for p in trash(root).iterdir())
+        assert names == ["delete", "notes.txt", *sorted(kept)]
+
+        with connect(daemon) as client:
+            ok(begin(client, root, 9, 0, 2))  # a new attempt at step 9 is in flight
+            listed = ok(client.request("gc", root=str(root)))
+            expected = [str(trash(root) / n) for n in sorted(kept)[:2]]
+            assert listed == {
+                "id": listed["id"],
+                "ok": True,
+                "candidates": [],
+                "removed": False,
+                "set_aside": expected,
+            }
+            removed = ok(client.request("gc", root=str(root), remove=True))
+            assert (removed["set_aside"], removed["removed"]) == (expected, True)
+            event = daemon.wait_event("gc.removed", TIMEOUT)
+            assert (event["steps"], event["set_aside"]) == ([], sorted(kept)[:2])
+            done_with = {daemon.wait_event("trash.deleted", TIMEOUT)["entry"] for _ in range(2)}
+            assert done_with == set(sorted(kept)[:2])
+            names = sorted(p.name for p in trash(root).iterdir())
+            assert names == ["delete", "notes.txt", "tmp_step_9.attempt-4b5a6978"]
+            assert doomed(root) == []
+            # While step 9 is in flight its set-aside attempt stays, even with --yes.
+            again = ok(client.request("gc", root=str(root), remove=True))
+            assert (again["set_aside"], again["removed"]) == ([], False)
+
+    def test_entry_that_cannot_be_moved(self, start: Start, root: Path) -> None:
+        daemon = start([root])
+        with connect(daemon) as client:
+            failed_step(client, daemon, root, 1)
+            failed_step(client, daemon, root, 2)
+            (root / "tmp_step_2" / "mnt").mkdir()
+            with bind_mount(root / "tmp_step_2" / "mnt", root / "tmp_step_2"):
+                # tmp_step_2 is a mount point: it cannot be renamed (EBUSY).
+                reply = client.request("gc", root=str(root), remove=True)
+                assert error_code(reply) == "invalid_state"
+                message = reply["error"]["message"]
+                assert message.startswith(f"cannot move {root / 'tmp_step_2'} into the trash: ")
+                assert message.endswith("; the other candidates were removed")
+                assert daemon.wait_event("gc.removed", TIMEOUT)["steps"] == [1]
+                listed = ok(client.request("gc", root=str(root)))
+                assert listed["candidates"] == [str(root / "tmp_step_2")]
+
+
+class TestCommandLine:
+    """``ckptd gc`` lists set-aside attempts with the tmp dirs and removes them together."""
+
+    def test_list_then_remove(
+        self, start: Start, root: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        set_aside = trash(root) / "tmp_step_3.failed-00aa11bb22cc"
+        set_aside.mkdir(parents=True)
+        daemon = start([root])
+        with connect(daemon) as client:
+            failed_step(client, daemon, root, 4)
+        argv = ["gc", str(root), "--socket", str(daemon.socket_path)]
+        capsys.readouterr()
+        assert main(argv) == 0
+        assert capsys.readouterr().out == (
+            f"would remove (pass --yes): {root / 'tmp_step_4'}\n"
+            f"would remove (pass --yes): {set_aside}\n"
+        )
+        assert main([*argv, "--yes"]) == 0
+        assert capsys.readouterr().out == f"removed: {root / 'tmp_step_4'}\nremoved: {set_aside}\n"
+        assert not set_aside.exists()
+        deleted = sorted(daemon.wait_event("trash.deleted", TIMEOUT)["entry"] for _ in range(2))
+        assert deleted[0] == set_aside.name and deleted[1].startswith("tmp_step_4.")
+        assert main(argv) == 0
+        assert capsys.readouterr().out == f"{root}: nothing to collect\n"
