@@ -8,10 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from daemon._attempts import prepare
 from daemon._config import RootConfig
+from daemon._errors import PromotionError, VerificationError
 from daemon._promoter import LocalStorage
+from daemon._promotion import _verify_and_promote
 from daemon._verify import MANIFEST_NAME, scan_save
-from orchestrator.protocol import FileEntry
+from orchestrator.protocol import ATTEMPT_MARKER, FileEntry
 
 
 class TestFsync:
@@ -45,3 +48,45 @@ class TestScan:
         config = RootConfig(path=str(root), real=str(root))
         manifest = scan_save(config, 3, 1, {0: (FileEntry("w.bin", 100),)})
         assert manifest.files == {"w.bin": 100}
+
+
+class TestRenamesWhatWasVerified:
+    """The directory renamed to ``step_N`` is the one verified, never one swapped in."""
+
+    def test_directory_swapped_after_verification_is_not_promoted(self, tmp_path: Path) -> None:
+        root = tmp_path / "run"
+        root.mkdir()
+        config = RootConfig(path=str(root), real=str(root))
+        tmp = root / "tmp_step_3"
+        prepare(config, 3, "a1", 1)
+        (tmp / "w.bin").write_bytes(b"verified")
+        impostor = tmp_path / "impostor"
+
+        def swap() -> None:
+            # Between verification and the rename another directory, marked for the same
+            # attempt, takes tmp_step_3's place.
+            os.rename(tmp, tmp_path / "verified")
+            impostor.mkdir()
+            os.rename(impostor, tmp)
+            prepare(config, 3, "a1", 1)
+            (tmp / "w.bin").write_bytes(b"impostor")
+
+        with pytest.raises(PromotionError) as caught:
+            _verify_and_promote(
+                LocalStorage(), config, 3, 1, {0: (FileEntry("w.bin", 8),)}, "a1", swap
+            )
+        assert caught.value.errno == errno.ESTALE
+        assert not (root / "step_3").exists()
+        assert (tmp / "w.bin").read_bytes() == b"impostor"  # left where it was, unpromoted
+
+    def test_other_attempts_files_are_refused(self, tmp_path: Path) -> None:
+        root = tmp_path / "run"
+        root.mkdir()
+        config = RootConfig(path=str(root), real=str(root))
+        prepare(config, 4, "other", 1)
+        (root / "tmp_step_4" / "w.bin").write_bytes(b"w")
+        with pytest.raises(VerificationError, match="belongs to attempt other, not to attempt a1"):
+            scan_save(config, 4, 1, {}, "a1")
+        with pytest.raises(VerificationError, match="belongs to no attempt"):
+            os.unlink(root / "tmp_step_4" / ATTEMPT_MARKER)
+            scan_save(config, 4, 1, {}, "a1")
