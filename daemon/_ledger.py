@@ -19,6 +19,7 @@ from typing import Any
 
 from orchestrator.protocol import ErrorCode, FileEntry, RankState, SaveState
 
+from . import _replay
 from ._errors import RequestError
 from ._journal import (
     JBegin,
@@ -499,40 +500,23 @@ class Ledger:
     def replay(self, record: JournalRecord, now: float) -> None:
         """Apply one journaled record (``now``: its time in ledger time). No effects.
 
+        See :func:`daemon._replay.replay`.
+
         Raises:
             RequestError: the record does not fit the ledger (e.g. a duplicate kept by
                 a compaction racing a batch); the caller skips it.
         """
-        key = SaveKey(record.root, record.step)
         self._replaying = True
         try:
-            match record:
-                case JBegin(rank=rank, world_size=world_size, attempt=attempt):
-                    self.begin(key, rank, world_size, None, now, fresh=attempt)
-                case JSetAside(attempt=attempt, path=path):
-                    self.set_aside(key, attempt, path, now)
-                case JDone(rank=rank, files=files):
-                    self.done(key, rank, files, None, now)
-                case JFail(rank=rank, reason=reason):
-                    save, rank_record = self._rank(key, rank)
-                    if save.state not in _TERMINAL:
-                        self._fail_rank(save, rank, rank_record, reason, now)
-                case JSaveFailed(reason=reason):
-                    self.rejected(key, reason, now)
-                case JIntent():
-                    found = self._saves.get(key)
-                    if found is not None and found.state is SaveState.VERIFYING:
-                        self.verified(key)
-                case JPromoted(path=path):
-                    found = self._saves.get(key)
-                    if found is not None and found.state is SaveState.PROMOTING:
-                        self.promoted(key, path, now)
-                case JRescue(attempt=attempt):
-                    self.rescue(key, now, attempt=attempt)
-                case JForget():
-                    self.forget(key)
+            _replay.replay(self, record, now)
         finally:
             self._replaying = False
+
+    def replay_failure(self, key: SaveKey, rank: int, reason: str, now: float) -> None:
+        """Replay a rank's journaled failure (its ``reason`` as it was recorded)."""
+        save, record = self._rank(key, rank)
+        if save.state not in _TERMINAL:
+            self._fail_rank(save, rank, record, reason, now)
 
     def rearm(self, now: float) -> list[Effect]:
         """After a restart: every rank still writing gets a lease from ``now``."""
@@ -554,38 +538,7 @@ class Ledger:
 
     def snapshot(self) -> list[JournalRecord]:
         """Records that rebuild the current state (for compacting the journal)."""
-        out: list[JournalRecord] = []
-        for save in sorted(self._saves.values(), key=lambda s: s.first_begin):
-            root, step = save.key
-            ranks = sorted(save.ranks.items())
-            # Every begin, then every done, then the failure: the order they can happen in.
-            out += [
-                JBegin(root, step, r, save.world_size, rec.begun_at, save.attempt)
-                for r, rec in ranks
-            ]
-            out += [
-                JDone(root, step, r, list(rec.files), rec.begun_at)
-                for r, rec in ranks
-                if rec.state is RankState.DONE
-            ]
-            out += [
-                JFail(root, step, r, rec.reason, save.settled_at or 0.0)
-                for r, rec in ranks
-                if rec.state is RankState.FAILED and rec.reason is not None
-            ]
-            if save.rescued:  # after the ranks' records, whose failure it overrode
-                out.append(JRescue(root, step, save.first_begin, save.attempt))
-            failed_rank = any(r.state is RankState.FAILED for r in save.ranks.values())
-            if save.state is SaveState.FAILED and (save.rescued or not failed_rank):
-                out.append(JSaveFailed(root, step, save.reason or "", save.settled_at or 0.0))
-            if save.state is SaveState.FAILED and save.set_aside is not None:
-                at = save.settled_at or 0.0
-                out.append(JSetAside(root, step, save.attempt, save.set_aside, at))
-            if save.state in (SaveState.PROMOTING, SaveState.PROMOTED):
-                out.append(JIntent(root, step))
-            if save.state is SaveState.PROMOTED and save.path is not None:
-                out.append(JPromoted(root, step, save.path, save.settled_at or 0.0))
-        return out
+        return _replay.snapshot(self._saves.values())
 
     def _record(self, record: JournalRecord) -> None:
         if not self._replaying:
