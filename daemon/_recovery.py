@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import TYPE_CHECKING
-
-import anyio
 
 from orchestrator import protocol as p
 
 from . import _gc
+from ._config import RootConfig
 from ._errors import RequestError
 from ._journal import Replay
+from ._ledger import SaveKey
 
 if TYPE_CHECKING:
     from ._server import Daemon
@@ -24,9 +25,11 @@ async def recover(daemon: Daemon, replay: Replay) -> None:
 
     Saves in flight get their ranks' leases re-armed (ranks that reconnect and send
     ``done`` complete them); saves whose ranks were all done are verified again; a
-    promotion whose intent was journaled is finished exactly once. Unknown
-    ``tmp_step_*`` directories are reported as orphans, never touched. The journal is
-    then compacted to the recovered state.
+    promotion whose intent was journaled is finished exactly once. The journal is then
+    compacted to the recovered state. Unknown ``tmp_step_*`` directories are reported as
+    orphans, never touched; each root is scanned in its own lane, and one whose scan has
+    not returned within ``fs_stall_after`` (a hung filesystem) is scanned on in the
+    background rather than waited for (``unscanned`` in ``daemon.recovered``).
     """
     ledger = daemon.ledger
     now, wall = daemon.clock(), time.time()
@@ -39,18 +42,16 @@ async def recover(daemon: Daemon, replay: Replay) -> None:
             skipped += 1  # a duplicate a compaction kept; the state already has it
     daemon.apply(ledger.rearm(now))
     if daemon.journal is not None:
-        await anyio.to_thread.run_sync(daemon.journal.compact, daemon.journal_snapshot())
+        await daemon.journal.lane.run(daemon.journal.compact, daemon.journal_snapshot())
     resumed = [s.key for s in ledger if s.state in (p.SaveState.VERIFYING, p.SaveState.PROMOTING)]
     for key in resumed:
         daemon.promoter.start(key)
-    orphans = 0
-    for root in daemon.config.roots:
-        known = {s.key.step for s in ledger if s.key.root == root.path}
-        for step in await anyio.to_thread.run_sync(_gc.unknown_tmp_dirs, root, known):
-            orphans += 1
-            daemon.events.emit(
-                "save.orphaned", "warning", root=root.path, step=step, path=root.tmp_dir(step)
-            )
+    # Each root is scanned in its own lane. One whose scan has not returned once
+    # fs_stall_after has passed (a hung filesystem) is scanned on in the background and
+    # reports its orphans when it answers; the daemon does not wait for it to serve.
+    found: list[int] = []
+    scans = {r.path: partial(_report_orphans, daemon, r, found) for r in daemon.config.roots}
+    unscanned = await daemon.lanes.settle(scans, daemon.config.fs_stall_after)
     daemon.events.emit(
         "daemon.recovered",
         records=len(replay.records),
@@ -60,5 +61,23 @@ async def recover(daemon: Daemon, replay: Replay) -> None:
         saves=len(ledger),
         in_flight=sum(1 for s in ledger if s.state is p.SaveState.OPEN),
         resumed=len(resumed),
-        orphans=orphans,
+        orphans=len(found),
+        unscanned=unscanned,
     )
+
+
+async def _report_orphans(daemon: Daemon, root: RootConfig, found: list[int]) -> None:
+    """Report each ``tmp_step_N`` of ``root`` the ledger does not know; add it to ``found``."""
+    try:
+        steps = await daemon.lanes.run(root.path, _gc.unknown_tmp_dirs, root, (), abandon=True)
+    except OSError as exc:
+        error = exc.strerror or str(exc)
+        daemon.events.emit("root.scan_failed", "warning", root=root.path, error=error)
+        return
+    for step in steps:
+        # Looked up once the scan returned: a save begun meanwhile is no orphan.
+        if daemon.ledger.get(SaveKey(root.path, step)) is None:
+            found.append(step)
+            daemon.events.emit(
+                "save.orphaned", "warning", root=root.path, step=step, path=root.tmp_dir(step)
+            )

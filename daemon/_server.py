@@ -30,6 +30,7 @@ from ._connection import Connection
 from ._errors import RequestError, VerificationError
 from ._events import Events
 from ._journal import Journal, JournalRecord
+from ._lanes import Lanes
 from ._ledger import Effect, Emit, Ledger, SaveKey, SaveRecord, Settled, Verify
 from ._mounts import is_local, mount_table
 from ._paths import check_relative, check_tmp_dir
@@ -85,6 +86,14 @@ class Daemon:
         self._flushing: anyio.Event | None = None  # set when the flush under way ends
         self._collecting: set[SaveKey] = set()  # steps gc is removing right now
         self.promoter = Promoter(self, storage or LocalStorage())
+        self.lanes = Lanes(
+            [r.path for r in config.roots],
+            threads=config.root_threads,
+            stall_after=config.fs_stall_after,
+            events=self.events,
+            journal=journal,
+        )
+        """Each root's blocking filesystem calls run in that root's lane."""
         self.stopping = False
         mounts = mount_table()
         self._local = {r.path for r in config.roots if is_local(r.real or r.path, mounts)}
@@ -277,10 +286,11 @@ class Daemon:
                         p.RootInfo(r.path, r.tmp_prefix, r.final_prefix, r.pointer)
                         for r in self.config.roots
                     ],
+                    stalled=self.lanes.stalled(only),
                 )
             case p.Latest(root=root_path):
                 root = self.configured(root_path)
-                step_found = await anyio.to_thread.run_sync(latest_promoted, root)
+                step_found = await self.lanes.run(root.path, latest_promoted, root, abandon=True)
                 if step_found is None:
                     raise RequestError(p.ErrorCode.NOT_FOUND, f"{root.path} has no promoted step")
                 path = root.final_dir(step_found)
@@ -311,28 +321,28 @@ class Daemon:
             )
         if retry:
             # The failed attempt's files must not mix with the new one's.
-            moved = await anyio.to_thread.run_sync(_gc.quarantine, root, key.step)
+            moved = await self.lanes.run(root.path, _gc.quarantine, root, key.step)
             if moved is not None:
                 self.events.emit("save.quarantined", root=root.path, step=key.step, path=moved)
         if root.path in self._local:
             check_tmp_dir(root, key.step)  # two lstats on a local disk: not worth a thread
         else:
-            await anyio.to_thread.run_sync(check_tmp_dir, root, key.step)
+            await self.lanes.run(root.path, check_tmp_dir, root, key.step, abandon=True)
 
     async def settled(self, request: p.Wait, root: RootConfig) -> p.WaitReply:
         """The reply to ``wait``, once the step settles or ``request.timeout`` passes."""
         key = SaveKey(root.path, request.step)
         with anyio.move_on_after(request.timeout):
             while (save := self.ledger.get(key)) is None or save.state not in _SETTLED:
-                if save is None and await anyio.to_thread.run_sync(
-                    os.path.isdir, root.final_dir(request.step)
+                if save is None and await self.lanes.run(
+                    root.path, os.path.isdir, root.final_dir(request.step), abandon=True
                 ):
                     break
                 await self._waiters.setdefault(key, anyio.Event()).wait()
         save = self.ledger.get(key)
         if save is None:
             final = root.final_dir(key.step)
-            if await anyio.to_thread.run_sync(os.path.isdir, final):
+            if await self.lanes.run(root.path, os.path.isdir, final, abandon=True):
                 return p.WaitReply(id=request.id, state="promoted", path=final)
             return p.WaitReply(id=request.id, state="pending")
         if save.state is p.SaveState.PROMOTED:
@@ -353,8 +363,8 @@ class Daemon:
         world_size = 0 if save is None else save.world_size
         async with self.root_locks[root.path]:
             try:
-                manifest = await anyio.to_thread.run_sync(
-                    scan_save, root, step, world_size, reported
+                manifest = await self.lanes.run(
+                    root.path, scan_save, root, step, world_size, reported, abandon=True
                 )
             except VerificationError as exc:
                 raise RequestError(p.ErrorCode.UNVERIFIABLE, str(exc)) from None
@@ -375,8 +385,14 @@ class Daemon:
             # An unknown tmp dir counts as orphaned only once it could no longer be a save
             # whose ranks write before they begin.
             min_age = self.config.save_timeout or _ORPHAN_AGE
-            on_disk = await anyio.to_thread.run_sync(
-                _gc.candidates, root, failed, self._active_steps(root), min_age
+            on_disk = await self.lanes.run(
+                root.path,
+                _gc.candidates,
+                root,
+                failed,
+                self._active_steps(root),
+                min_age,
+                abandon=True,
             )
             # A failed save with no directory left is still listed, so gc can clear it.
             candidates = sorted(set(on_disk) | failed)
@@ -387,7 +403,7 @@ class Daemon:
                     # A begin may have slipped in while the candidates were listed.
                     active = self._active_steps(root)
                     candidates = [step for step in candidates if step not in active]
-                    await anyio.to_thread.run_sync(_gc.remove, root, candidates)
+                    await self.lanes.run(root.path, _gc.remove, root, candidates)
                 finally:
                     self._collecting -= keys
                 for step in candidates:

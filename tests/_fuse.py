@@ -81,8 +81,8 @@ def bindfs_mount(backing: Path, mount: Path, options: str = "") -> Iterator[Bind
             handle.cont()
         subprocess.run(["fusermount", "-u", "-z", str(mount)], check=False, capture_output=True)
         proc.terminate()
-        try:
-            proc.wait(10.0)
+        try:  # communicate, not wait: it also closes the stderr pipe
+            proc.communicate(timeout=10.0)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait()
+            proc.communicate()
