@@ -114,7 +114,7 @@ class Lane:
         self._idle: list[_Worker] = []
         self._ids = itertools.count()
         self._running: dict[int, tuple[str, float]] = {}  # call -> (name, start), in order
-        self.on_busy: Callable[[], None] = lambda: None
+        self.on_change: Callable[[Lane], None] = lambda _lane: None
         """Called (on the event loop) when the lane goes from idle to busy, and when a
         call ends while the lane is reported stalled; :class:`Lanes` sets it."""
         self.stalled_since: float | None = None
@@ -139,7 +139,7 @@ class Lane:
         worker = self._idle.pop() if self._idle else _Worker(self, loop)
         worker.jobs.put((loop, fn, args, partial(self._finished, call, future, worker)))
         if len(self._running) == 1:
-            self.on_busy()
+            self.on_change(self)
         with anyio.CancelScope(shield=not abandon):
             result, error = await future
         if error is not None:
@@ -158,7 +158,7 @@ class Lane:
         if not future.cancelled():  # a caller that abandoned the call is gone
             future.set_result(outcome)
         if self.stalled_since is not None:
-            self.on_busy()
+            self.on_change(self)
 
     def _retire(self, worker: _Worker) -> None:
         if worker in self._idle:
@@ -214,9 +214,10 @@ class Lanes:
         self._events = events
         self._clock = clock
         self._changed = anyio.Event()
+        self._due: float | None = None  # when the watch looks next; None: once woken
         self._group: TaskGroup | None = None
         for lane in self._watched():
-            lane.on_busy = self._wake
+            lane.on_change = self._wake
 
     def __getitem__(self, root: str) -> Lane:
         """The lane of the configured root ``root``."""
@@ -294,7 +295,17 @@ class Lanes:
     def _is_journal(self, lane: Lane) -> bool:
         return self._journal is not None and lane is self._journal.lane
 
-    def _wake(self) -> None:
+    def _wake(self, lane: Lane) -> None:
+        # A lane that just got busy can stall no sooner than stall_after from now: if the
+        # watch looks before that anyway, it need not wake (a busy journal wakes it once
+        # per stall_after, not once per batch).
+        due = self._due
+        if (
+            lane.stalled_since is None
+            and due is not None
+            and due <= self._clock() + self._stall_after
+        ):
+            return
         self._changed.set()
 
     async def _watch(self) -> None:
@@ -313,6 +324,7 @@ class Lanes:
                     else:
                         due = oldest[1] + self._stall_after
                         deadline = due if deadline is None else min(deadline, due)
+            self._due = deadline
             if deadline is None:
                 await self._changed.wait()
             else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from orchestrator import protocol as p
 
@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 
 __all__ = ["recover"]
 
+_SCAN_WAIT: Final = 1.0
+"""Seconds start-up waits for the roots' orphan scans (milliseconds on a healthy root)."""
+
 
 async def recover(daemon: Daemon, replay: Replay) -> None:
     """Replay ``replay`` into ``daemon``'s ledger, then resume and report.
@@ -28,8 +31,8 @@ async def recover(daemon: Daemon, replay: Replay) -> None:
     promotion whose intent was journaled is finished exactly once. The journal is then
     compacted to the recovered state. Unknown ``tmp_step_*`` directories are reported as
     orphans, never touched; each root is scanned in its own lane, and one whose scan has
-    not returned within ``fs_stall_after`` (a hung filesystem) is scanned on in the
-    background rather than waited for (``unscanned`` in ``daemon.recovered``).
+    not returned within a second (a hung filesystem) is scanned on in the background
+    rather than waited for (``unscanned`` in ``daemon.recovered``).
     """
     ledger = daemon.ledger
     now, wall = daemon.clock(), time.time()
@@ -46,12 +49,12 @@ async def recover(daemon: Daemon, replay: Replay) -> None:
     resumed = [s.key for s in ledger if s.state in (p.SaveState.VERIFYING, p.SaveState.PROMOTING)]
     for key in resumed:
         daemon.promoter.start(key)
-    # Each root is scanned in its own lane. One whose scan has not returned once
-    # fs_stall_after has passed (a hung filesystem) is scanned on in the background and
-    # reports its orphans when it answers; the daemon does not wait for it to serve.
+    # Each root is scanned in its own lane. One whose scan has not returned within
+    # _SCAN_WAIT (a hung filesystem) is scanned on in the background and reports its
+    # orphans when it answers; the daemon does not wait for it to serve the others.
     found: list[int] = []
     scans = {r.path: partial(_report_orphans, daemon, r, found) for r in daemon.config.roots}
-    unscanned = await daemon.lanes.settle(scans, daemon.config.fs_stall_after)
+    unscanned = await daemon.lanes.settle(scans, _SCAN_WAIT)
     daemon.events.emit(
         "daemon.recovered",
         records=len(replay.records),
