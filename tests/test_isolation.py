@@ -28,6 +28,7 @@ from daemon._config import Config, RootConfig, load_config
 from daemon._errors import ConfigError
 from daemon._lanes import Lane
 from daemon._lifecycle import serve
+from daemon._promoter import LocalStorage
 from daemon._server import Daemon
 from daemon.cli import main
 from tests._fuse import BindMount, bindfs_mount
@@ -294,6 +295,102 @@ class TestJournalThread:
                     assert (await _reply(stream))["id"] == 1
                     await stream.aclose()
             stop.set()
+
+
+class _HangsMidFlush(LocalStorage):
+    """Real writes; the first flush of a file under a mount first stops its FUSE server.
+
+    So the promotion hangs exactly while it flushes, on the real mount: a hang the
+    filesystem alone cannot time (verification reads the same mount just before).
+    """
+
+    def __init__(self, mounts: list[BindMount]) -> None:
+        super().__init__()
+        self._mounts = list(mounts)  # each is stopped once, then left to the test
+        self._lock = threading.Lock()
+
+    def fsync(self, path: str, *, directory: bool = False) -> None:
+        with self._lock:
+            for fs in self._mounts:
+                if path.startswith(f"{fs.mount}/"):
+                    fs.stop()
+                    self._mounts.remove(fs)
+                    break
+        super().fsync(path, directory=directory)
+
+
+class TestHungFlush:
+    """Promotions hung while they flush hold their own root's threads, not other roots'."""
+
+    def test_other_root_promotes_while_two_hang_mid_flush(
+        self, tmp_path: Path, short_dir: Path
+    ) -> None:
+        root_b = tmp_path / "b"
+        root_b.mkdir()
+        with (
+            bindfs_mount(backing(tmp_path, "a1-backing"), tmp_path / "a1") as a1,
+            bindfs_mount(backing(tmp_path, "a2-backing"), tmp_path / "a2") as a2,
+        ):
+            paths = (a1.mount, a2.mount, root_b)
+            config = Config(
+                socket=str(short_dir / "d.sock"),
+                roots=tuple(RootConfig(path=str(r), real=str(r)) for r in paths),
+                state_dir=str(short_dir / "state"),
+                fs_stall_after=STALL,
+            )
+            anyio.run(self._scenario, config, [a1, a2], root_b)
+
+    async def _scenario(self, config: Config, hung: list[BindMount], root_b: Path) -> None:
+        stop = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            run = partial(
+                serve,
+                config,
+                storage=_HangsMidFlush(hung),
+                shutdown_trigger=stop.wait,
+                handle_signals=False,
+            )
+            daemon: Daemon = await tg.start(run)
+            events = daemon.events.subscribe()
+            # Each promotion flushes with as many threads as one may.
+            waits = [await _save(config.socket, fs.mount, 1, files=16) for fs in hung]
+            with anyio.fail_after(TIMEOUT):
+                stalled: set[str] = set()
+                async for event in events:
+                    if event["event"] == "root.stalled":
+                        assert event["call"] == "verify_and_promote"
+                        stalled.add(event["root"])
+                    if stalled == {str(fs.mount) for fs in hung}:
+                        break
+                daemon.events.unsubscribe(events)
+                b = await _save(config.socket, root_b, 1, files=16)
+                assert (await _reply(b))["state"] == "promoted"
+                await b.aclose()
+            for fs in hung:
+                fs.cont()
+            with anyio.fail_after(TIMEOUT):
+                for stream in waits:
+                    assert (await _reply(stream))["state"] == "promoted"
+                    await stream.aclose()
+            stop.set()
+
+
+async def _save(path: str, root: Path, step: int, *, files: int) -> SocketStream:
+    """A one-rank save of ``files`` files, begun and done; its ``wait`` is sent last."""
+    stream = await anyio.connect_unix(path)
+    await _request(stream, "begin", root=str(root), step=step, rank=0, world_size=1)
+    assert (await _reply(stream))["ok"] is True
+    entries = []
+    for i in range(files):
+        rel = f"model/shard{i}.bin"
+        target = root / f"tmp_step_{step}" / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(b"x" * 100)
+        entries.append({"path": rel, "size": 100})
+    await _request(stream, "done", root=str(root), step=step, rank=0, files=entries)
+    assert (await _reply(stream))["ok"] is True
+    await _request(stream, "wait", root=str(root), step=step, timeout=TIMEOUT)
+    return stream
 
 
 # -- the watchdog ----------------------------------------------------------------------------
