@@ -13,8 +13,6 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Final
 
-import anyio
-
 from orchestrator import protocol as p
 
 from . import _gc
@@ -51,8 +49,11 @@ async def collect(daemon: Daemon, request_id: int, root: RootConfig, remove: boo
     # An unknown tmp dir counts as orphaned only once it could no longer be a save whose
     # ranks write before they begin.
     min_age = daemon.config.save_timeout or ORPHAN_AGE
-    on_disk = await anyio.to_thread.run_sync(_gc.candidates, root, failed, active, min_age)
-    kept = await anyio.to_thread.run_sync(_gc.set_aside, root)
+    lanes = daemon.lanes
+    on_disk = await lanes.run(
+        root.path, _gc.candidates, root, failed, active, min_age, abandon=True
+    )
+    kept = await lanes.run(root.path, _gc.set_aside, root, abandon=True)
     # A failed save with no directory left is still listed, so gc can clear it.
     steps = sorted(set(on_disk) | failed)
     kept = [k for k in kept if k.step not in active]
@@ -87,7 +88,7 @@ async def _remove(
             kept = [k for k in kept if k.step not in active]
             names = [k.name for k in kept]
             try:
-                moved, refused = await anyio.to_thread.run_sync(_gc.doom, root, steps, names)
+                moved, refused = await daemon.lanes.run(root.path, _gc.doom, root, steps, names)
             except OSError as exc:
                 raise RequestError(
                     p.ErrorCode.INVALID_STATE,
@@ -102,7 +103,7 @@ async def _remove(
     problems = [f"cannot move {path} into the trash: {why}" for path, why in refused.items()]
     if moved:
         try:
-            await anyio.to_thread.run_sync(_gc.sync_doomed, root)
+            await daemon.lanes.run(root.path, _gc.sync_doomed, root)
         except OSError as exc:
             problems.append(f"the renames into the trash may not be durable: {exc.strerror}")
     crash_point("gc_after_doom")

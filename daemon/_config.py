@@ -113,6 +113,13 @@ class Config:
     event_loop: str = "uvloop"
     """``uvloop`` (served faster; falls back to ``asyncio`` where uvloop is not
     installed) or ``asyncio`` (the standard library's loop)."""
+    root_threads: int = 8
+    """Blocking filesystem calls that run at once for one root, each in a thread that
+    serves only that root; more wait their turn. A hung filesystem holds at most this
+    many threads, and delays only its own root's requests."""
+    fs_stall_after: float = 30.0
+    """Seconds a filesystem call for a root (or a journal write) may run before the
+    daemon reports the root (``root.stalled``) or the journal (``journal.stalled``)."""
 
     def __post_init__(self) -> None:
         if not self.roots:
@@ -140,6 +147,16 @@ class Config:
             raise ConfigError(f"stall_timeout must be > 0 seconds, got {self.stall_timeout}")
         if self.event_loop not in ("uvloop", "asyncio"):
             raise ConfigError(f"event_loop must be uvloop or asyncio, got {self.event_loop!r}")
+        if not isinstance(self.root_threads, int) or not 1 <= self.root_threads <= 1024:
+            raise ConfigError(
+                f"root_threads must be an integer from 1 to 1024, got {self.root_threads!r}; "
+                "8 suits most roots, a few more a high-latency network filesystem"
+            )
+        if not self.fs_stall_after > 0:
+            raise ConfigError(
+                f"fs_stall_after must be > 0 seconds, got {self.fs_stall_after}; set it above "
+                "the longest a healthy filesystem call takes (a large checkpoint's flush)"
+            )
         if not os.path.isabs(self.state_dir):
             raise ConfigError(f"state_dir {self.state_dir!r} must be an absolute path")
         if not self.socket or len(os.fsencode(self.socket)) > 107:
@@ -197,6 +214,8 @@ def load_config(
         "allowed_gids",
         "stall_timeout",
         "event_loop",
+        "root_threads",
+        "fs_stall_after",
     }
     unknown = sorted(set(data) - known)
     if unknown:

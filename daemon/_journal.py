@@ -24,6 +24,8 @@ import msgspec
 
 from orchestrator.protocol import FileEntry
 
+from ._lanes import Lane
+
 __all__ = [
     "JBegin",
     "JDone",
@@ -176,6 +178,9 @@ class Journal:
         self._size = 0
         self._batch = _Batch()
         self._wake = anyio.Event()
+        self.lane = Lane("journal", 1)
+        """The journal's own thread: its writes, fsyncs and compactions run there, never
+        behind a root's filesystem calls."""
         self.commits = 0
         """Batches written (for observing group commit)."""
 
@@ -264,7 +269,7 @@ class Journal:
                 continue
             with anyio.CancelScope(shield=True):
                 try:
-                    await anyio.to_thread.run_sync(self._write, b"".join(batch.data))
+                    await self.lane.run(self._write, b"".join(batch.data))
                 except OSError as exc:
                     batch.error = exc
                 batch.done.set()
@@ -272,7 +277,7 @@ class Journal:
                     # Between batches: nothing else writes the file now. Changes already
                     # in the next batch may also be in the snapshot; replay is idempotent.
                     try:
-                        await anyio.to_thread.run_sync(self.compact, snapshot())
+                        await self.lane.run(self.compact, snapshot())
                     except OSError:
                         pass  # keep appending to the old file; retried after a batch
                     floor = self._size

@@ -57,7 +57,7 @@ async def serve(
     stop = anyio.Event()
     try:
         try:
-            replay = await anyio.to_thread.run_sync(journal.open)
+            replay = await journal.lane.run(journal.open)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot use the journal {journal.path}: {exc}") from exc
         daemon = Daemon(config, storage=storage, journal=journal)
@@ -68,6 +68,7 @@ async def serve(
                 if handle_signals:  # before anything slow: a SIGTERM is never lost
                     await services.start(_watch_signals, stop, daemon)
                 services.start_soon(journal.run, daemon.journal_snapshot)
+                await services.start(daemon.lanes.serve)
                 await recover(daemon, replay)
                 daemon.trash.start()  # also deletes what a previous run doomed
                 services.start_soon(daemon.timekeeper)
@@ -75,7 +76,7 @@ async def serve(
                     services.start_soon(_trigger, shutdown_trigger, stop)
                 watchdog = _systemd.watchdog_interval()
                 if watchdog is not None:
-                    services.start_soon(_watchdog, watchdog / 2)
+                    services.start_soon(_watchdog, watchdog, daemon, journal)
                 async with anyio.create_task_group() as connections:
                     connections.start_soon(_accept, listener, daemon, connections)
                     daemon.events.emit(
@@ -135,10 +136,33 @@ async def _watch_signals(
                 os._exit(130)
 
 
-async def _watchdog(period: float) -> None:
+async def _watchdog(interval: float, daemon: Daemon, journal: Journal) -> None:
+    """Ping systemd every ``interval / 2`` seconds while the daemon can do its job.
+
+    The pings come from the event loop, so a loop that is blocked stops them. So does a
+    journal write, fsync or compaction still running after ``interval`` seconds: no
+    change can be acknowledged, and systemd restarts the daemon ``interval`` after the
+    last ping. A stalled checkpoint root does not stop them: a restart would not unhang
+    its filesystem, and the other roots still work.
+    """
+    withheld = False
     while True:
-        _systemd.notify_watchdog()
-        await anyio.sleep(period)
+        blocked = journal.lane.busy_for()
+        if blocked < interval:
+            if withheld:
+                withheld = False
+                daemon.events.emit("watchdog.resumed", path=journal.path)
+            _systemd.notify_watchdog()
+        elif not withheld:
+            withheld = True
+            daemon.events.emit(
+                "watchdog.withheld",
+                "error",
+                path=journal.path,
+                blocked_s=round(blocked, 3),
+                reason="a journal write has not returned within the watchdog interval",
+            )
+        await anyio.sleep(interval / 2)
 
 
 def _bind(path: str, mode: int) -> socket.socket:

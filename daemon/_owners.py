@@ -60,10 +60,10 @@ class AttemptDirs:
         self,
         daemon: _Daemon,
         *,
-        run: Callable[..., Awaitable[object]] | None = None,
+        run: Callable[..., Awaitable[object]],
     ) -> None:
         self._daemon = daemon
-        self._run = run or _to_thread
+        self._run = run
         self.group: TaskGroup | None = None
         """Where set-asides run; set by ``serve`` before any request is handled."""
         self._ready: dict[tuple[SaveKey, str], anyio.Event] = {}
@@ -193,7 +193,3 @@ class AttemptDirs:
             reason="the attempt failed",
         )
         return moved
-
-
-async def _to_thread(_root: RootConfig, fn: Callable[..., object], *args: object) -> object:
-    return await anyio.to_thread.run_sync(fn, *args)

@@ -43,6 +43,11 @@ _AT_FDCWD: Final = -100
 # from 16 threads 6.2 ms, serial 6.6 ms. More threads only add GIL hand-offs, which also
 # delay the event loop meanwhile.
 _FSYNC_WORKERS: Final = 8
+# Threads the promotions of all roots share. Not a bound they compete for: a root runs
+# one promotion at a time (its lock), with at most _FSYNC_WORKERS flushing threads, so a
+# root whose filesystem hangs mid-flush holds that many; only 64 roots hung so at once
+# could keep another root's promotion waiting. Threads start only as flushes need them.
+_FSYNC_POOL: Final = 64 * _FSYNC_WORKERS
 _RENAME_NOREPLACE: Final = 1
 
 
@@ -289,8 +294,7 @@ def _fsync_pool() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            # Room for two promotions (of different roots) flushing at once.
-            _pool = ThreadPoolExecutor(max_workers=2 * _FSYNC_WORKERS, thread_name_prefix="fsync")
+            _pool = ThreadPoolExecutor(max_workers=_FSYNC_POOL, thread_name_prefix="fsync")
         return _pool
 
 

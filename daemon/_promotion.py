@@ -15,6 +15,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.lowlevel
 from anyio.abc import TaskGroup
 
 from orchestrator import protocol as p
@@ -81,19 +82,21 @@ class Promoter:
             return
         start = daemon.clock()
         resumed = save.state is p.SaveState.PROMOTING  # intent journaled before a restart
+        lane = daemon.lanes[root.path]
         try:
-            if resumed and await anyio.to_thread.run_sync(_renamed, root, key.step):
+            if resumed and await lane.run(_renamed, root, key.step):
                 # The rename happened before the restart: finish, never redo it.
-                manifest = await anyio.to_thread.run_sync(read_manifest, root.final_dir(key.step))
-                done = await anyio.to_thread.run_sync(
-                    _promoter.finish, self._storage, root, key.step
-                )
+                manifest = await lane.run(read_manifest, root.final_dir(key.step))
+                done = await lane.run(_promoter.finish, self._storage, root, key.step)
             else:
-                # One worker thread verifies and promotes; it journals the intent through
-                # the event loop while the save's files are flushed, and renames only
-                # once the intent is durable (a resumed promotion's already is).
-                intent = None if resumed else partial(anyio.from_thread.run, self._intent, key)
-                manifest, done = await anyio.to_thread.run_sync(
+                # One thread of the root's lane verifies and promotes; it journals the
+                # intent through the event loop (by the loop's token: the thread is not
+                # anyio's) while the save's files are flushed, and renames only once the
+                # intent is durable (a resumed promotion's already is).
+                token = anyio.lowlevel.current_token()
+                journal_intent = partial(anyio.from_thread.run, self._intent, key, token=token)
+                intent = None if resumed else journal_intent
+                manifest, done = await lane.run(
                     _verify_and_promote,
                     self._storage,
                     root,

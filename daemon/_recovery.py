@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
-
-import anyio
+from functools import partial
+from typing import TYPE_CHECKING, Final
 
 from orchestrator import protocol as p
 
 from . import _gc
+from ._config import RootConfig
 from ._errors import RequestError
 from ._journal import Replay
 from ._layout import write_layout
+from ._ledger import SaveKey
 
 if TYPE_CHECKING:
     from ._server import Daemon
 
 __all__ = ["recover"]
+
+_SCAN_WAIT: Final = 1.0
+"""Seconds start-up waits for the roots' orphan scans (milliseconds on a healthy root)."""
 
 
 async def recover(daemon: Daemon, replay: Replay) -> None:
@@ -25,9 +29,11 @@ async def recover(daemon: Daemon, replay: Replay) -> None:
 
     Saves in flight get their ranks' leases re-armed (ranks that reconnect and send
     ``done`` complete them); saves whose ranks were all done are verified again; a
-    promotion whose intent was journaled is finished exactly once. Unknown
-    ``tmp_step_*`` directories are reported as orphans, never touched. The journal is
-    then compacted to the recovered state.
+    promotion whose intent was journaled is finished exactly once. The journal is then
+    compacted to the recovered state. Unknown ``tmp_step_*`` directories are reported as
+    orphans, never touched; each root is scanned in its own lane, and one whose scan has
+    not returned within a second (a hung filesystem) is scanned on in the background
+    rather than waited for (``unscanned`` in ``daemon.recovered``).
     """
     ledger = daemon.ledger
     now, wall = daemon.clock(), time.time()
@@ -39,41 +45,18 @@ async def recover(daemon: Daemon, replay: Replay) -> None:
         except (RequestError, RuntimeError):
             skipped += 1  # a duplicate a compaction kept; the state already has it
     daemon.apply(ledger.rearm(now))
-    # A failure journaled before its attempt's directory was set aside (a crash between
-    # the two, or a journal from before attempts): set it aside now, before any begin.
-    for root in daemon.config.roots:
-        try:
-            await anyio.to_thread.run_sync(write_layout, root)
-        except OSError as exc:
-            # Clients then fall back to the default names while the daemon is down.
-            daemon.events.emit(
-                "root.layout_failed", "warning", root=root.path, error=exc.strerror or str(exc)
-            )
-    on_disk = {
-        root.path: set(await anyio.to_thread.run_sync(_gc.unknown_tmp_dirs, root, ()))
-        for root in daemon.config.roots
-    }
-    set_aside = 0
-    for save in list(ledger):
-        if save.state is not p.SaveState.FAILED or save.set_aside is not None:
-            continue
-        if save.key.step in on_disk.get(save.key.root, ()):
-            if await daemon.attempt_dirs.set_aside(save.key, save.attempt) is not None:
-                set_aside += 1
-                on_disk[save.key.root].discard(save.key.step)
     if daemon.journal is not None:
-        await anyio.to_thread.run_sync(daemon.journal.compact, daemon.journal_snapshot())
+        await daemon.journal.lane.run(daemon.journal.compact, daemon.journal_snapshot())
     resumed = [s.key for s in ledger if s.state in (p.SaveState.VERIFYING, p.SaveState.PROMOTING)]
     for key in resumed:
         daemon.promoter.start(key)
-    orphans = 0
-    for root in daemon.config.roots:
-        known = {s.key.step for s in ledger if s.key.root == root.path}
-        for step in sorted(on_disk[root.path] - known):
-            orphans += 1
-            daemon.events.emit(
-                "save.orphaned", "warning", root=root.path, step=step, path=root.tmp_dir(step)
-            )
+    # Each root is scanned in its own lane. One whose scan has not returned within
+    # _SCAN_WAIT (a hung filesystem) is scanned on in the background and reports its
+    # orphans when it answers; the daemon does not wait for it to serve the others.
+    found: list[int] = []
+    set_aside: list[int] = []
+    scans = {r.path: partial(_scan_root, daemon, r, found, set_aside) for r in daemon.config.roots}
+    unscanned = await daemon.lanes.settle(scans, _SCAN_WAIT)
     daemon.events.emit(
         "daemon.recovered",
         records=len(replay.records),
@@ -83,6 +66,43 @@ async def recover(daemon: Daemon, replay: Replay) -> None:
         saves=len(ledger),
         in_flight=sum(1 for s in ledger if s.state is p.SaveState.OPEN),
         resumed=len(resumed),
-        set_aside=set_aside,
-        orphans=orphans,
+        set_aside=len(set_aside),
+        orphans=len(found),
+        unscanned=unscanned,
     )
+
+
+async def _scan_root(
+    daemon: Daemon, root: RootConfig, found: list[int], set_aside: list[int]
+) -> None:
+    """Write ``root``'s layout file, set aside its failed attempts, report its orphans.
+
+    A failure journaled before its attempt's directory was set aside (a crash between
+    the two, or a journal from before attempts) is set aside here; a ``begin`` that
+    comes first sets it aside itself, by its marker. Each ``tmp_step_N`` the ledger does
+    not know is reported (``save.orphaned``) and added to ``found``.
+    """
+    try:
+        await daemon.lanes.run(root.path, write_layout, root)
+    except OSError as exc:
+        # Clients then fall back to the default names while the daemon is down.
+        error = exc.strerror or str(exc)
+        daemon.events.emit("root.layout_failed", "warning", root=root.path, error=error)
+    try:
+        steps = await daemon.lanes.run(root.path, _gc.unknown_tmp_dirs, root, (), abandon=True)
+    except OSError as exc:
+        error = exc.strerror or str(exc)
+        daemon.events.emit("root.scan_failed", "warning", root=root.path, error=error)
+        return
+    for step in steps:
+        # Looked up once the scan returned: a save begun meanwhile is no orphan.
+        key = SaveKey(root.path, step)
+        save = daemon.ledger.get(key)
+        if save is not None and save.state is p.SaveState.FAILED and save.set_aside is None:
+            if await daemon.attempt_dirs.set_aside(key, save.attempt) is not None:
+                set_aside.append(step)
+        elif save is None:
+            found.append(step)
+            daemon.events.emit(
+                "save.orphaned", "warning", root=root.path, step=step, path=root.tmp_dir(step)
+            )

@@ -31,6 +31,7 @@ from ._connection import Connection
 from ._errors import RequestError, VerificationError
 from ._events import Events
 from ._journal import Journal, JournalRecord
+from ._lanes import Lanes
 from ._ledger import Effect, Emit, Ledger, SaveKey, SaveRecord, SetAside, Settled, Verify
 from ._mounts import is_local, mount_table
 from ._owners import AttemptDirs
@@ -90,7 +91,15 @@ class Daemon:
         self.trash = TrashRemover(self.events, config.roots)
         """Deletes what gc doomed, in the background; started by ``serve``."""
         self.promoter = Promoter(self, storage or LocalStorage())
-        self.attempt_dirs = AttemptDirs(self)
+        self.lanes = Lanes(
+            [r.path for r in config.roots],
+            threads=config.root_threads,
+            stall_after=config.fs_stall_after,
+            events=self.events,
+            journal=journal,
+        )
+        """Each root's blocking filesystem calls run in that root's lane."""
+        self.attempt_dirs = AttemptDirs(self, run=self._run_for)
         """Each attempt's own tmp directory: prepared before begin, set aside on failure."""
         self.stopping = False
         mounts = mount_table()
@@ -278,10 +287,11 @@ class Daemon:
                         p.RootInfo(r.path, r.tmp_prefix, r.final_prefix, r.pointer)
                         for r in self.config.roots
                     ],
+                    stalled=self.lanes.stalled(only),
                 )
             case p.Latest(root=root_path):
                 root = self.configured(root_path)
-                step_found = await anyio.to_thread.run_sync(latest_promoted, root)
+                step_found = await self.lanes.run(root.path, latest_promoted, root, abandon=True)
                 if step_found is None:
                     raise RequestError(p.ErrorCode.NOT_FOUND, f"{root.path} has no promoted step")
                 path = root.final_dir(step_found)
@@ -353,7 +363,7 @@ class Daemon:
         if root.path in self._local:
             check_tmp_dir(root, key.step)  # two lstats on a local disk: not worth a thread
         else:
-            await anyio.to_thread.run_sync(check_tmp_dir, root, key.step)
+            await self.lanes.run(root.path, check_tmp_dir, root, key.step, abandon=True)
 
     async def settled(self, request: p.Wait, root: RootConfig) -> p.WaitReply:
         """The reply to ``wait``, once the step settles or ``request.timeout`` passes."""
@@ -364,15 +374,15 @@ class Daemon:
                 or save.state not in _SETTLED
                 or self.attempt_dirs.reporting(key)  # failed, but not yet set aside
             ):
-                if save is None and await anyio.to_thread.run_sync(
-                    os.path.isdir, root.final_dir(request.step)
+                if save is None and await self.lanes.run(
+                    root.path, os.path.isdir, root.final_dir(request.step), abandon=True
                 ):
                     break
                 await self._wait_for(key)
         save = self.ledger.get(key)
         if save is None:
             final = root.final_dir(key.step)
-            if await anyio.to_thread.run_sync(os.path.isdir, final):
+            if await self.lanes.run(root.path, os.path.isdir, final, abandon=True):
                 return p.WaitReply(id=request.id, state="promoted", path=final)
             return p.WaitReply(id=request.id, state="pending")
         attempt = save.attempt or None
@@ -421,18 +431,20 @@ class Daemon:
         async with self.root_locks[root.path]:
             if save is not None and save.state is p.SaveState.FAILED and save.set_aside:
                 # The failed attempt's files were set aside: bring them back to be judged.
-                if await anyio.to_thread.run_sync(_attempts.restore, root, step, save.set_aside):
+                restore = _attempts.restore
+                if await self.lanes.run(root.path, restore, root, step, save.set_aside):
                     self.ledger.restored(key)
                     self.events.emit(
                         "save.restored", root=root.path, step=step, attempt=save.attempt
                     )
-            marker = await anyio.to_thread.run_sync(_attempts.read_marker, root.tmp_dir(step))
+            tmp = root.tmp_dir(step)
+            marker = await self.lanes.run(root.path, _attempts.read_marker, tmp, abandon=True)
             attempt = save.attempt if save is not None else ""
             if save is None and marker is not None:
                 attempt = marker.attempt  # a step no journal knows: its directory says whose
             try:
-                manifest = await anyio.to_thread.run_sync(
-                    scan_save, root, step, world_size, reported, attempt
+                manifest = await self.lanes.run(
+                    root.path, scan_save, root, step, world_size, reported, attempt, abandon=True
                 )
             except VerificationError as exc:
                 raise RequestError(p.ErrorCode.UNVERIFIABLE, str(exc)) from None
@@ -447,6 +459,10 @@ class Daemon:
         return await self.settled(wait, root)
 
     # -- helpers -----------------------------------------------------------------------
+
+    async def _run_for(self, root: RootConfig, fn: Callable[..., object], *args: object) -> object:
+        """Run the blocking ``fn(*args)`` in ``root``'s lane (never left by its caller)."""
+        return await self.lanes.run(root.path, fn, *args)
 
     def configured(self, path: str) -> RootConfig:
         """The configured root ``path`` names.

@@ -206,6 +206,11 @@ def _status(args: argparse.Namespace) -> int:
         return 0
     print(f"ckptd {reply['version']}  pid {reply['pid']}  up {reply['uptime_s']:.0f}s")
     print(f"roots: {', '.join(reply['roots'])}")
+    for stall in reply.get("stalled", []):
+        print(
+            f"stalled: {stall['root'] or 'journal'}: {stall['call']} blocked "
+            f"{stall['blocked_s']:.1f}s ({stall['running']} running, {stall['queued']} queued)"
+        )
     rows = [
         [
             s["root"],

@@ -50,6 +50,7 @@ __all__ = [
     "Request",
     "SaveInfo",
     "SaveState",
+    "StallInfo",
     "Status",
     "StatusReply",
     "Subscribe",
@@ -372,6 +373,21 @@ class RootInfo(msgspec.Struct, frozen=True):
     pointer: str
 
 
+class StallInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """A root (or the journal) whose filesystem call has been blocked too long."""
+
+    root: str | None
+    """The stalled root; None for the daemon's journal."""
+    call: str
+    """The blocking function that has run longest, for people (e.g. ``scan_save``)."""
+    blocked_s: float
+    """Seconds it has run so far."""
+    running: int
+    """Calls under way in the root's threads."""
+    queued: int
+    """Calls waiting for one of those threads."""
+
+
 class AttemptMarker(msgspec.Struct, frozen=True, kw_only=True):
     """What :data:`ATTEMPT_MARKER` holds: the attempt that owns a ``tmp_step_N``."""
 
@@ -397,6 +413,8 @@ class StatusReply(_Reply, frozen=True, kw_only=True):
     """``wait`` requests pending."""
     waited_steps: int = 0
     """Steps that pending waits wait for (what they cost the daemon's memory)."""
+    stalled: list[StallInfo] = []
+    """Roots (and the journal) reported stalled (``root.stalled``) and not yet recovered."""
 
 
 class LatestReply(_Reply, frozen=True, kw_only=True):

@@ -84,10 +84,8 @@ def bindfs_mount(backing: Path, mount: Path, options: str = "") -> Iterator[Bind
         cmd = ["fusermount", "-u", "-z", str(handle.mount)]
         subprocess.run(cmd, check=False, capture_output=True)
         proc.terminate()
-        try:
-            proc.wait(10.0)
+        try:  # communicate, not wait: it also closes the stderr pipe
+            proc.communicate(timeout=10.0)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait()
-        if proc.stderr is not None:
-            proc.stderr.close()
+            proc.communicate()

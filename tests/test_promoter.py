@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -62,14 +64,14 @@ class TestRenamesWhatWasVerified:
         (tmp / "w.bin").write_bytes(b"verified")
         impostor = tmp_path / "impostor"
 
+        impostor.mkdir()
+        shutil.copy(tmp / ATTEMPT_MARKER, impostor / ATTEMPT_MARKER)  # the same attempt's
+        (impostor / "w.bin").write_bytes(b"impostor")
+
         def swap() -> None:
-            # Between verification and the rename another directory, marked for the same
-            # attempt, takes tmp_step_3's place.
-            os.rename(tmp, tmp_path / "verified")
-            impostor.mkdir()
-            os.rename(impostor, tmp)
-            prepare(config, 3, "a1", 1)
-            (tmp / "w.bin").write_bytes(b"impostor")
+            # Between verification and the rename another directory takes tmp_step_3's
+            # place, in one atomic exchange: every path stays valid throughout.
+            _exchange(impostor, tmp)
 
         with pytest.raises(PromotionError) as caught:
             _verify_and_promote(
@@ -90,3 +92,11 @@ class TestRenamesWhatWasVerified:
         with pytest.raises(VerificationError, match="belongs to no attempt"):
             os.unlink(root / "tmp_step_4" / ATTEMPT_MARKER)
             scan_save(config, 4, 1, {}, "a1")
+
+
+def _exchange(a: Path, b: Path) -> None:
+    """``renameat2(a, b, RENAME_EXCHANGE)``: swap two directories atomically."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.renameat2(-100, os.fsencode(a), -100, os.fsencode(b), 2) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
