@@ -18,6 +18,7 @@ A rename into the trash is how nothing is ever left half deleted under its own n
 from __future__ import annotations
 
 import os
+import stat
 import time
 import uuid
 from collections.abc import Collection, Iterable, Mapping
@@ -187,8 +188,9 @@ def sync_doomed(root: RootConfig) -> None:
 def _idle_for(path: str) -> float:
     """Seconds since anything under ``path`` changed; 0 if something vanished meanwhile."""
     try:
-        newest = os.lstat(path).st_mtime
-        if os.path.islink(path):
+        top = os.lstat(path)
+        newest = top.st_mtime
+        if not stat.S_ISDIR(top.st_mode):  # a symlink is not followed
             return time.time() - newest
         for dirpath, _dirs, files in os.walk(path):
             newest = max(newest, os.lstat(dirpath).st_mtime)
