@@ -170,6 +170,8 @@ async def _remove(daemon: Daemon, root: RootConfig, plan: dict[int, _Step]) -> d
                 for n, s in plan.items()
                 if n not in busy and s.unchanged(daemon.ledger.get(SaveKey(root.path, n)))
             }
+            if not plan:
+                return plan  # nothing renamed, nothing to journal or report
             steps = [n for n, s in plan.items() if s.tmp]
             names = [k.name for s in plan.values() for k in s.kept]
             try:

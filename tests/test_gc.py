@@ -21,11 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from daemon._journal import JBegin, JFail, Journal, JournalRecord
 from daemon.cli import main
 from orchestrator.protocol import ATTEMPT_MARKER
-from tests._fuse import bindfs_mount
+from tests._fuse import bindfs_mount, waiting_requests
 from tests._system import in_ci, require_root, require_tool
 from tests.conftest import REPO, DaemonProcess, LineClient
 from tests.test_server import (
@@ -576,6 +578,54 @@ class TestFailedSteps:
                 [3],
             )
             assert steps_known(client) == []
+
+
+class TestPromoteMeanwhile:
+    """A ``ckptd promote`` that takes a step while gc lists it is never undone by that gc."""
+
+    def test_failed_step_promoted_during_the_walk(
+        self, start: Start, root: Path, tmp_path: Path
+    ) -> None:
+        daemon = start([root])
+        with connect(daemon) as client:
+            # Failed step 1 holds a complete DCP checkpoint: its rank failed after writing.
+            ok(begin(client, root, 1, 0, 1))
+            state = {"w": torch.arange(16, dtype=torch.float32)}
+            dcp_save(state, checkpoint_id=str(root / "tmp_step_1" / "model"), no_dist=True)
+            kept = fail(client, daemon, root, 1)
+        backing = tmp_path / "backing"
+        backing.mkdir()
+        # An orphan with a hung filesystem inside: gc's walk of the orphans stops there,
+        # after gc has read the ledger (step 1 failed, set aside at ``kept``).
+        with bindfs_mount(backing, root / "tmp_step_9" / "mnt", UNCACHED) as mount:
+            waiting = waiting_requests(mount.mount)
+            mount.stop()
+            with connect(daemon) as client, connect(daemon) as operator:
+                request = {"op": "gc", "id": 1, "root": str(root), "remove": True}
+                client.send_raw(json.dumps(request).encode() + b"\n")
+                wait_until(lambda: waiting() > 0, "gc's walk to reach the hung mount")
+                # Meanwhile an operator promotes step 1: its set-aside directory is
+                # restored, verified and renamed to step_1.
+                promoted = ok(operator.request("promote", root=str(root), step=1))
+                assert (promoted["state"], promoted["path"]) == ("promoted", str(root / "step_1"))
+                assert not kept.exists()
+                mount.cont()
+                reply = ok(client.recv())
+                # gc found step 1 changed under the root's lock and left it alone: it did
+                # not forget the promoted step, and nothing was removed.
+                assert reply == {
+                    "id": 1,
+                    "ok": True,
+                    "candidates": [],
+                    "removed": False,
+                    "set_aside": [],
+                    "absent": [],
+                }
+                saves = ok(operator.request("status"))["saves"]
+                assert [(s["step"], s["state"]) for s in saves] == [(1, "promoted")]
+        assert "gc.removed" not in [e["event"] for e in daemon.drain()]
+        assert (root / "step_1" / "model" / ".metadata").is_file()
+        assert os.readlink(root / "latest") == "step_1"
 
 
 class TestCommandLine:
