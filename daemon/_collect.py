@@ -2,8 +2,9 @@
 
 What a failed step leaves is where its attempt's directory went: normally its kept entry
 in the trash (set aside when it failed: the ledger's ``SaveRecord.set_aside``, or, when
-the journal that recorded it is lost, the entry's name ``<tmp prefix>N.attempt-<id>-…``);
-``tmp_step_N`` only if it could not be set aside; nothing at all once both are gone.
+the journal that recorded it is lost, the entry whose name
+``<tmp prefix>N.attempt-<id>-<suffix>`` names the attempt); ``tmp_step_N`` only if it
+could not be set aside; nothing at all once both are gone.
 Removing what is left of a failed step makes the daemon forget it, so the step can be
 saved again.
 
