@@ -3,8 +3,10 @@
 Each root's trash, ``ROOT/.ckptd-trash/``, holds two kinds of entry:
 
 - **kept**: a failed attempt's tmp directory set aside so that a new attempt starts
-  afresh (``<tmp dir name>.failed-<id>`` and ``<tmp dir name>.attempt-<id>``). It stays
-  for inspection and ``ckptd promote`` until a ``gc`` names it.
+  afresh (``<tmp dir name>.attempt-<id>-<suffix>``, and ``<tmp dir name>.failed-<id>``
+  from earlier versions). It stays for inspection and ``ckptd promote`` until a ``gc``
+  names it. Its name says whose it is, even when the journal that recorded the move is
+  lost.
 - **doomed**: everything under ``ROOT/.ckptd-trash/delete/``. ``gc`` renames what it
   removes in there (one rename per entry, in the root, under the root's lock); the
   background remover (``_trash``) deletes only what is in there, and on start resumes
@@ -16,9 +18,10 @@ A rename into the trash is how nothing is ever left half deleted under its own n
 from __future__ import annotations
 
 import os
+import stat
 import time
 import uuid
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from . import _attempts
@@ -28,11 +31,12 @@ __all__ = [
     "DOOMED",
     "TRASH",
     "KeptEntry",
-    "candidates",
+    "TmpDir",
     "doom",
     "doomed_dir",
-    "set_aside",
+    "kept_entries",
     "sync_doomed",
+    "tmp_dirs",
     "unknown_tmp_dirs",
 ]
 
@@ -41,6 +45,8 @@ TRASH = _attempts.TRASH
 
 DOOMED = "delete"
 """Directory inside the trash whose entries the background remover deletes."""
+
+_ATTEMPT_TAG = "attempt-"
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +57,21 @@ class KeptEntry:
     """Its name in ``ROOT/.ckptd-trash/``."""
     step: int
     """The step it was written for."""
+    attempt: str | None
+    """The attempt its name carries (``.attempt-<id>-<suffix>``); None for other names."""
+
+
+@dataclass(frozen=True, slots=True)
+class TmpDir:
+    """A ``tmp_step_N`` of a step with no save in flight."""
+
+    step: int
+    failed: bool
+    """Its marker names the step's failed attempt: it could not be set aside (or
+    ``ckptd promote`` brought it back and could not verify it)."""
+    qualifies: bool
+    """gc may remove it: it is the failed attempt's, or nothing in it changed for the
+    orphan age."""
 
 
 def doomed_dir(root: RootConfig) -> str:
@@ -58,32 +79,38 @@ def doomed_dir(root: RootConfig) -> str:
     return os.path.join(root.path, TRASH, DOOMED)
 
 
-def candidates(
-    root: RootConfig, failed: Collection[int], active: Collection[int], min_age: float
-) -> list[int]:
-    """Steps whose tmp directory may be removed. Blocking I/O; walks orphans' files.
+def tmp_dirs(
+    root: RootConfig, failed: Mapping[int, str], busy: Collection[int], min_age: float
+) -> list[TmpDir]:
+    """The tmp directories of the steps not in ``busy``, by step. Blocking I/O.
 
-    A failed step always qualifies. A tmp directory the daemon does not know is an
-    orphan and qualifies once nothing in it changed for ``min_age`` seconds (so a
-    trainer that writes before it says ``begin`` is not robbed). Active saves never do.
+    A directory whose marker names the failed attempt ``failed[step]`` qualifies at
+    once. Any other (no marker: a trainer's files written before its ``begin``; another
+    attempt's marker; a step the daemon does not know) is an orphan and qualifies once
+    nothing in it changed for ``min_age`` seconds, so a trainer that writes before it
+    says ``begin`` is not robbed. Walks the orphans' files.
     """
-    found: list[int] = []
+    found: list[TmpDir] = []
     with os.scandir(root.path) as entries:
         for entry in entries:
             step = root.parse_step(entry.name, root.tmp_prefix)
-            if step is None or step in active:
+            if step is None or step in busy:
                 continue
-            if step in failed or _idle_for(entry.path) >= min_age:
-                found.append(step)
-    return sorted(found)
+            attempt = failed.get(step)
+            own = False
+            if attempt and entry.is_dir(follow_symlinks=False):
+                marker = _attempts.read_marker(entry.path)
+                own = marker is not None and marker.attempt == attempt
+            found.append(TmpDir(step, own, own or _idle_for(entry.path) >= min_age))
+    return sorted(found, key=lambda d: d.step)
 
 
-def set_aside(root: RootConfig) -> list[KeptEntry]:
+def kept_entries(root: RootConfig) -> list[KeptEntry]:
     """The kept entries of the root's trash, by step then name. Blocking I/O.
 
     An entry is kept if its name is a tmp directory's name followed by ``.`` and a
-    suffix (``tmp_step_7.failed-1f2e``, ``tmp_step_7.attempt-9c0d``); anything else in
-    the trash is left alone.
+    suffix (``tmp_step_7.attempt-9c0d1e2f3a4b5c6d-1a2b3c4d``, ``tmp_step_7.failed-1f2e``);
+    anything else in the trash is left alone.
     """
     try:
         with os.scandir(os.path.join(root.path, TRASH)) as entries:
@@ -96,8 +123,13 @@ def set_aside(root: RootConfig) -> list[KeptEntry]:
             continue
         digits, dot, suffix = name[len(root.tmp_prefix) :].partition(".")
         step = root.parse_step(root.tmp_prefix + digits, root.tmp_prefix)
-        if step is not None and dot and suffix:
-            found.append(KeptEntry(name, step))
+        if step is None or not dot or not suffix:
+            continue
+        attempt = None
+        if suffix.startswith(_ATTEMPT_TAG) and len(suffix) > len(_ATTEMPT_TAG):
+            # <id>-<suffix>; the id holds no "-" (16 hex digits, or "unknown").
+            attempt = suffix[len(_ATTEMPT_TAG) :].rsplit("-", 1)[0]
+        found.append(KeptEntry(name, step, attempt))
     return sorted(found, key=lambda s: (s.step, s.name))
 
 
@@ -154,9 +186,16 @@ def sync_doomed(root: RootConfig) -> None:
 
 
 def _idle_for(path: str) -> float:
-    newest = os.lstat(path).st_mtime
-    for dirpath, _dirs, files in os.walk(path):
-        newest = max(newest, os.lstat(dirpath).st_mtime)
-        for name in files:
-            newest = max(newest, os.lstat(os.path.join(dirpath, name)).st_mtime)
+    """Seconds since anything under ``path`` changed; 0 if something vanished meanwhile."""
+    try:
+        top = os.lstat(path)
+        newest = top.st_mtime
+        if not stat.S_ISDIR(top.st_mode):  # a symlink is not followed
+            return time.time() - newest
+        for dirpath, _dirs, files in os.walk(path):
+            newest = max(newest, os.lstat(dirpath).st_mtime)
+            for name in files:
+                newest = max(newest, os.lstat(os.path.join(dirpath, name)).st_mtime)
+    except FileNotFoundError:
+        return 0.0  # someone is changing it: not idle
     return time.time() - newest

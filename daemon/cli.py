@@ -128,7 +128,9 @@ def _parser() -> argparse.ArgumentParser:
     rescue.add_argument("step", type=int)
 
     gc = command(
-        "gc", "list failed and orphaned tmp dirs and set-aside attempts; remove with --yes", _gc
+        "gc",
+        "list set-aside failed attempts and failed or orphaned tmp dirs; remove with --yes",
+        _gc,
     )
     gc.add_argument("root")
     gc.add_argument("--yes", action="store_true", help="remove them")
@@ -415,13 +417,19 @@ def _gc(args: argparse.Namespace) -> int:
     reply = _call(args, p.Gc(id=1, root=root, remove=args.yes), 600.0)
     if not reply["ok"]:
         return _refused(reply)
-    paths = reply["candidates"] + reply.get("set_aside", [])
-    if not paths:
+    absent = reply.get("absent", [])
+    paths = [c for c in reply["candidates"] if c not in absent] + reply.get("set_aside", [])
+    if not paths and not absent:
         print(f"{root}: nothing to collect")
         return 0
-    verb = "removed" if reply["removed"] else "would remove (pass --yes)"
+    done = reply["removed"]
     for path in paths:
-        print(f"{verb}: {path}")
+        print(f"removed: {path}" if done else f"would remove (pass --yes): {path}")
+    for path in absent:  # the daemon forgets the step; there are no files to remove
+        if done:
+            print(f"forgot: {path} (a failed step; none of its files were left)")
+        else:
+            print(f"would forget (pass --yes): {path} (a failed step; none of its files are left)")
     return 0
 
 

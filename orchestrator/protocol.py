@@ -425,12 +425,17 @@ class LatestReply(_Reply, frozen=True, kw_only=True):
 
 
 class GcReply(_Reply, frozen=True, kw_only=True):
-    """Reply to ``gc``: the candidate directories, and whether they were removed."""
+    """Reply to ``gc``: what qualifies for removal, and whether it was removed."""
 
     candidates: list[str]
+    """``ROOT/tmp_step_N`` of each tmp directory that goes, and of each failed step with
+    nothing left on disk (also in ``absent``), by step."""
     removed: bool
     set_aside: list[str] = []
-    """Failed attempts' directories set aside in the root's trash that go with them."""
+    """Failed attempts' directories set aside in the root's trash that go, by step."""
+    absent: list[str] = []
+    """The ``candidates`` that do not exist: failed steps with nothing left on disk, which
+    the daemon only forgets."""
 
 
 _request_decoder: Final = msgspec.json.Decoder(Request)

@@ -12,16 +12,21 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tests._system import require_root, require_tool
+import pytest
 
-__all__ = ["BindMount", "bindfs_mount"]
+from tests._system import in_ci, require_root, require_tool
+
+__all__ = ["BindMount", "bindfs_mount", "waiting_requests"]
 
 CACHING = "entry_timeout=1,attr_timeout=1,negative_timeout=1"
 """bindfs options that make a mount cache like an NFS client (for about a second)."""
+
+FUSECTL = Path("/sys/fs/fuse/connections")
+"""The fuse control filesystem: a directory per FUSE connection, with its counters."""
 
 
 class BindMount:
@@ -89,3 +94,27 @@ def bindfs_mount(backing: Path, mount: Path, options: str = "") -> Iterator[Bind
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.communicate()
+
+
+def waiting_requests(mount: Path) -> Callable[[], int]:
+    """A function returning how many calls on ``mount`` wait for its server right now.
+
+    It reads the kernel's count (``/sys/fs/fuse/connections/<device>/waiting``): a call
+    blocked on a stopped server is one. The fuse control filesystem is mounted there if
+    it is not (systemd mounts it at boot; it is left mounted); where it cannot be, the
+    test is skipped (failed in CI). Call this before stopping the server: it stats the
+    mount.
+    """
+    device = os.stat(mount).st_dev
+    waiting = FUSECTL / str((os.major(device) << 20) | os.minor(device)) / "waiting"
+    if not os.path.ismount(FUSECTL):
+        made = subprocess.run(
+            ["mount", "-t", "fusectl", "fusectl", str(FUSECTL)], capture_output=True, text=True
+        )
+        if made.returncode != 0:
+            reason = f"cannot mount the fuse control filesystem: {made.stderr.strip()}"
+            if in_ci():
+                pytest.fail(reason)
+            pytest.skip(reason)
+    assert waiting.exists(), f"{mount} has no connection in {FUSECTL}"
+    return lambda: int(waiting.read_text())

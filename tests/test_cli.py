@@ -325,20 +325,24 @@ class TestVerify:
 
 
 class TestGc:
-    """``ckptd gc ROOT`` lists failed and orphaned tmp dirs; ``--yes`` removes them."""
+    """``ckptd gc ROOT`` lists set-aside failed attempts and stale orphans; ``--yes`` removes."""
 
     def test_list_then_remove(
         self, start: Start, root: Path, capsys: pytest.CaptureFixture[str]
     ) -> None:
         daemon = start([root])
         populate(daemon, root)
-        (failed,) = (root / ".ckptd-trash").glob("tmp_step_4.attempt-*")  # set aside
+        # Failed step 4's files were set aside when it failed: that is what gc removes.
+        (failed,) = (root / ".ckptd-trash").glob("tmp_step_4.attempt-*")
+        assert not (root / "tmp_step_4").exists()
         code, out, _ = cli(capsys, "gc", str(root), "--socket", sock(daemon))
         assert (code, out) == (0, f"would remove (pass --yes): {failed}\n")
         assert failed.is_dir()
         code, out, _ = cli(capsys, "gc", str(root), "--yes", "--socket", sock(daemon))
         assert (code, out) == (0, f"removed: {failed}\n")
         assert not failed.exists()
+        with connect(daemon) as client:  # and the daemon forgot step 4
+            assert [s["step"] for s in ok(client.request("status"))["saves"]] == [1, 2, 3]
         assert (root / "tmp_step_3").is_dir()  # in flight
         assert (root / "tmp_step_9").is_dir()  # a fresh orphan
         assert (root / "step_1").is_dir() and (root / "step_2").is_dir()

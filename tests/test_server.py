@@ -856,7 +856,7 @@ class TestStatus:
 
 
 class TestGc:
-    """``gc`` lists failed and stale orphan tmp dirs, never active saves or checkpoints."""
+    """``gc`` takes set-aside attempts and stale orphans, never active saves or checkpoints."""
 
     def test_gc(self, start: Start, root: Path) -> None:
         daemon = start([root])
@@ -879,16 +879,21 @@ class TestGc:
             write_files(root / "tmp_step_4", 0)
             set_mtime(root / "tmp_step_4", old)
 
+            # Failed step 2 is its set-aside directory: tmp_step_2 no longer exists.
             listed = ok(client.request("gc", root=str(root)))
-            assert listed["candidates"] == [kept, str(root / "tmp_step_3")]
+            assert listed["candidates"] == [str(root / "tmp_step_3")]
+            assert (listed["set_aside"], listed["absent"]) == ([kept], [])
             assert listed["removed"] is False
             assert Path(kept).is_dir() and (root / "tmp_step_3").is_dir()
 
             removed = ok(client.request("gc", root=str(root), remove=True))
-            assert removed["candidates"] == listed["candidates"]
-            assert removed["removed"] is True
+            assert removed == {**listed, "id": removed["id"], "removed": True}
             event = daemon.wait_event("gc.removed", TIMEOUT)
-            assert event["steps"] == [2, 3]
+            assert (event["steps"], event["set_aside"], event["forgotten"]) == (
+                [3],
+                [Path(kept).name],
+                [2],
+            )
             assert not Path(kept).exists()
             assert not (root / "tmp_step_3").exists()
             deleted = {daemon.wait_event("trash.deleted", TIMEOUT)["entry"] for _ in range(2)}
@@ -908,6 +913,7 @@ class TestGc:
                 "candidates": [],
                 "removed": False,
                 "set_aside": [],
+                "absent": [],
             }
             # The active save still promotes after gc.
             ok(begin(client, root, 4, 1, 2))
