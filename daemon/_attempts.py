@@ -25,6 +25,7 @@ import msgspec
 from orchestrator.protocol import ATTEMPT_MARKER, AttemptMarker
 
 from ._config import RootConfig
+from ._durable import fsync_dir, write_atomic
 
 __all__ = [
     "TRASH",
@@ -115,10 +116,9 @@ def prepare(root: RootConfig, step: int, attempt: str, world_size: int) -> Prepa
         world_size=world_size,
         created=datetime.now(UTC).isoformat(),
     )
-    _write_durably(os.path.join(tmp, ATTEMPT_MARKER), msgspec.json.encode(marker))
-    _fsync_dir(tmp)
+    write_atomic(os.path.join(tmp, ATTEMPT_MARKER), msgspec.json.encode(marker))
     if created or moved is not None:
-        _fsync_dir(root.path)
+        fsync_dir(root.path)
     return Prepared(moved=moved, foreign=None if found is None else found.attempt, created=created)
 
 
@@ -142,7 +142,7 @@ def set_aside(root: RootConfig, step: int, attempt: str) -> str | None:
     if found is not None and found.attempt != attempt:
         return None
     moved = _to_trash(root, step, attempt)
-    _fsync_dir(root.path)
+    fsync_dir(root.path)
     return moved
 
 
@@ -156,7 +156,7 @@ def restore(root: RootConfig, step: int, path: str) -> bool:
     if not os.path.isdir(path) or os.path.lexists(tmp):
         return False
     os.rename(path, tmp)
-    _fsync_dir(root.path)
+    fsync_dir(root.path)
     return True
 
 
@@ -172,33 +172,9 @@ def _to_trash(root: RootConfig, step: int, attempt: str) -> str:
     os.makedirs(trash, mode=0o700, exist_ok=True)
     target = trash_name(root, step, attempt)
     os.rename(root.tmp_dir(step), target)
-    _fsync_dir(trash)
+    fsync_dir(trash)
     return target
 
 
 def _unknown_marker() -> AttemptMarker:
     return AttemptMarker(attempt=_UNKNOWN, root="", step=-1, world_size=0, created="")
-
-
-def _write_durably(path: str, data: bytes) -> None:
-    tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp)
-        raise
-    os.close(fd)
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

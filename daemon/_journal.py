@@ -24,6 +24,7 @@ import msgspec
 
 from orchestrator.protocol import FileEntry
 
+from ._durable import fsync_dir
 from ._lanes import Lane
 
 __all__ = [
@@ -216,7 +217,7 @@ class Journal:
                 os.write(fd, _MAGIC)
                 replay.valid_bytes = len(_MAGIC)
             os.fsync(fd)
-            _fsync_dir(os.path.dirname(self.path))
+            fsync_dir(os.path.dirname(self.path))
             os.lseek(fd, replay.valid_bytes, os.SEEK_SET)
         except BaseException:
             os.close(fd)
@@ -319,7 +320,7 @@ class Journal:
         fd = os.open(tmp, os.O_RDWR | os.O_CLOEXEC)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.replace(tmp, self.path)
-        _fsync_dir(os.path.dirname(self.path))
+        fsync_dir(os.path.dirname(self.path))
         self.close()
         self._fd = fd
         os.lseek(self._fd, 0, os.SEEK_END)
@@ -368,11 +369,3 @@ def parse(data: bytes) -> Replay:
             ) from None
         pos = end
     return Replay(records, pos, len(data) - pos, problem)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

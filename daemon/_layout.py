@@ -8,13 +8,13 @@ else from this file, which the daemon writes into every configured root when it 
 from __future__ import annotations
 
 import os
-import uuid
 
 import msgspec
 
 from orchestrator.protocol import LAYOUT_FILE, RootInfo
 
 from ._config import RootConfig
+from ._durable import write_atomic
 
 __all__ = ["write_layout"]
 
@@ -40,15 +40,5 @@ def write_layout(root: RootConfig) -> bool:
                 return False
     except OSError:
         pass
-    tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp)
-        raise
-    os.close(fd)
-    os.replace(tmp, path)
+    write_atomic(path, data, sync_dir=False)  # rewritten at every start if lost
     return True

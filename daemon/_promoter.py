@@ -21,6 +21,7 @@ from typing import Final, Protocol
 
 import msgspec
 
+from . import _durable
 from ._config import RootConfig
 from ._errors import PromotionError
 from ._faults import crash_point
@@ -91,19 +92,7 @@ class LocalStorage:
 
     def write_atomic(self, path: str, data: bytes, *, sync_dir: bool = True) -> None:
         """See :meth:`Storage.write_atomic`."""
-        tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            os.unlink(tmp)
-            raise
-        os.close(fd)
-        os.replace(tmp, path)
+        _durable.write_atomic(path, data, sync_dir=False)
         if sync_dir:
             self.fsync(os.path.dirname(path), directory=True)
 

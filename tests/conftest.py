@@ -156,6 +156,14 @@ def daemon_factory(short_dir: Path) -> Iterator[Callable[..., DaemonProcess]]:
     yield make
     for daemon in started:
         daemon.kill()
+        if daemon.proc is not None and daemon.proc.stdout is not None:
+            daemon.proc.stdout.close()  # a pipe left open fails the run (ResourceWarning)
+
+
+@pytest.fixture
+def start(daemon_factory: Callable[..., DaemonProcess]) -> Callable[..., DaemonProcess]:
+    """``daemon_factory`` under the name the daemon tests use: ``start(roots, *flags)``."""
+    return daemon_factory
 
 
 class LineClient:

@@ -9,7 +9,6 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,27 +22,11 @@ from tests.test_server import (
     connect,
     done,
     ok,
-    reap,
     run_cli,
     save,
     wait,
     write_files,
 )
-
-
-@pytest.fixture
-def start(daemon_factory: Start) -> Iterator[Start]:
-    """``daemon_factory``, with every daemon's pipe closed at teardown."""
-    started: list[DaemonProcess] = []
-
-    def make(roots: list[Path], *extra: str) -> DaemonProcess:
-        daemon = daemon_factory(roots, *extra)
-        started.append(daemon)
-        return daemon
-
-    yield make
-    for daemon in started:
-        reap(daemon)
 
 
 @pytest.fixture

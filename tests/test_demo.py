@@ -14,7 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,23 +30,6 @@ JOB_TIMEOUT = 40.0
 TRACEBACK = "Traceback (most recent call last)"
 
 Start = Callable[..., DaemonProcess]
-
-
-@pytest.fixture
-def start(daemon_factory: Start) -> Iterator[Start]:
-    """``daemon_factory``, with every daemon reaped and its pipe closed at teardown."""
-    started: list[DaemonProcess] = []
-
-    def make(roots: list[Path], *extra: str) -> DaemonProcess:
-        daemon = daemon_factory(roots, *extra)
-        started.append(daemon)
-        return daemon
-
-    yield make
-    for daemon in started:
-        daemon.kill()
-        if daemon.proc is not None and daemon.proc.stdout is not None:
-            daemon.proc.stdout.close()
 
 
 def torchrun() -> list[str]:

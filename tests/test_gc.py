@@ -38,7 +38,6 @@ from tests.test_server import (
     error_code,
     of,
     ok,
-    reap,
     set_mtime,
     write_files,
 )
@@ -49,21 +48,6 @@ UNCACHED = "attr_timeout=0,entry_timeout=0"
 """bindfs options under which every lookup and stat on the mount asks its server."""
 
 Start = Callable[..., DaemonProcess]
-
-
-@pytest.fixture
-def start(daemon_factory: Start) -> Iterator[Start]:
-    """``daemon_factory``; every daemon is reaped and its pipe closed at teardown."""
-    started: list[DaemonProcess] = []
-
-    def make(roots: list[Path], *extra: str, env: dict[str, str] | None = None) -> DaemonProcess:
-        daemon = daemon_factory(roots, *extra, env=env)
-        started.append(daemon)
-        return daemon
-
-    yield make
-    for daemon in started:
-        reap(daemon)
 
 
 def trash(root: Path) -> Path:

@@ -52,23 +52,6 @@ Files = list[dict[str, Any]]
 # -- helpers -------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def start(daemon_factory: Start) -> Iterator[Start]:
-    """``daemon_factory``, with each daemon killed and its stdout pipe closed at the end."""
-    started: list[DaemonProcess] = []
-
-    def make(roots: list[Path], *extra: str, env: dict[str, str] | None = None) -> DaemonProcess:
-        daemon = daemon_factory(roots, *extra, env=env)
-        started.append(daemon)
-        return daemon
-
-    yield make
-    for daemon in started:
-        daemon.kill()
-        if daemon.proc is not None and daemon.proc.stdout is not None:
-            daemon.proc.stdout.close()
-
-
 def config_file(tmp_path: Path, **values: object) -> Path:
     """A TOML file setting ``fs_stall_after`` to :data:`STALL` and ``values``."""
     path = tmp_path / "ckptd.toml"

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
 from typing import Any
@@ -29,39 +29,6 @@ Files = list[dict[str, Any]]
 
 
 # -- fixtures and helpers ------------------------------------------------------------------
-
-
-def reap(daemon: DaemonProcess) -> None:
-    """Kill ``daemon`` if it still runs and close its stdout pipe once drained.
-
-    conftest's factory kills survivors but leaves the pipe open, which ``filterwarnings =
-    error`` turns into a ResourceWarning failure at interpreter exit.
-    """
-    proc = daemon.proc
-    if proc is None:
-        return
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait(TIMEOUT)
-    if not any(e["event"] == "_exit" for e in daemon.drain()):
-        daemon.wait_event("_exit", timeout=TIMEOUT)
-    if proc.stdout is not None:
-        proc.stdout.close()
-
-
-@pytest.fixture
-def start(daemon_factory: Start) -> Iterator[Start]:
-    """``daemon_factory``, with every daemon's pipe closed at teardown."""
-    started: list[DaemonProcess] = []
-
-    def make(roots: list[Path], *extra: str, socket_name: str = "d.sock") -> DaemonProcess:
-        daemon = daemon_factory(roots, *extra, socket_name=socket_name)
-        started.append(daemon)
-        return daemon
-
-    yield make
-    for daemon in started:
-        reap(daemon)
 
 
 def connect(daemon: DaemonProcess) -> closing[LineClient]:

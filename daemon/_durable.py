@@ -1,0 +1,52 @@
+"""Durable small writes: a file replaced atomically, a directory's entries flushed.
+
+Blocking I/O, shared by everything that writes the daemon's own small files (attempt
+markers, layout files, manifests, the journal's directory).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+__all__ = ["fsync_dir", "write_atomic"]
+
+
+def write_atomic(path: str, data: bytes, *, sync_dir: bool = True) -> None:
+    """Replace ``path`` with ``data``: a unique temp file, fsync, rename over ``path``.
+
+    A reader sees the old contents or the new, never a part. With ``sync_dir`` the
+    directory is fsynced too, so the new contents survive a crash from here on;
+    without, the caller fsyncs the directory afterwards.
+
+    Raises:
+        OSError: the file cannot be written, synced or renamed (the temp file is gone).
+    """
+    tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+    if sync_dir:
+        fsync_dir(os.path.dirname(path))
+
+
+def fsync_dir(path: str) -> None:
+    """Flush the entries of directory ``path`` (``""`` is the working directory).
+
+    Raises:
+        OSError: it cannot be opened or synced.
+    """
+    fd = os.open(path or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
