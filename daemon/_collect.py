@@ -14,14 +14,14 @@ is taken; the deletion runs in the background afterwards (``_trash``). Under the
 there are only the renames into ``ROOT/.ckptd-trash/delete/`` and the ledger forgetting
 the removed failed steps, so a promotion in the root waits for a few renames at most.
 While gc takes a step's tmp directory, a ``begin`` for it is refused
-(``Daemon._collecting``).
+(``Daemon.collecting``).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from orchestrator import protocol as p
 
@@ -29,10 +29,8 @@ from . import _gc
 from ._config import RootConfig
 from ._errors import RequestError
 from ._faults import crash_point
+from ._host import Collecting
 from ._ledger import SaveKey, SaveRecord
-
-if TYPE_CHECKING:
-    from ._server import Daemon
 
 __all__ = ["collect"]
 
@@ -66,7 +64,7 @@ class _Step:
         return now is None or (now.state, now.set_aside) == (self.state, self.set_aside)
 
 
-async def collect(daemon: Daemon, request_id: int, root: RootConfig, remove: bool) -> p.GcReply:
+async def collect(daemon: Collecting, request_id: int, root: RootConfig, remove: bool) -> p.GcReply:
     """Answer ``gc`` for ``root``: the candidates and, with ``remove``, doom them.
 
     Candidates are the tmp directories of steps not in flight that are a failed
@@ -95,7 +93,7 @@ async def collect(daemon: Daemon, request_id: int, root: RootConfig, remove: boo
     )
 
 
-async def _plan(daemon: Daemon, root: RootConfig) -> dict[int, _Step]:
+async def _plan(daemon: Collecting, root: RootConfig) -> dict[int, _Step]:
     """What gc would take of ``root``, by step."""
     saves = {s.key.step: s for s in _saves_of(daemon, root)}
     seen = {n: (s, s.state, s.set_aside) for n, s in saves.items()}
@@ -149,7 +147,7 @@ def _owned_by(save: SaveRecord, path: str, entry: _gc.KeptEntry) -> bool:
     return path == save.set_aside or (bool(save.attempt) and entry.attempt == save.attempt)
 
 
-async def _remove(daemon: Daemon, root: RootConfig, plan: dict[int, _Step]) -> dict[int, _Step]:
+async def _remove(daemon: Collecting, root: RootConfig, plan: dict[int, _Step]) -> dict[int, _Step]:
     """Doom what ``plan`` takes, forget its failed steps, start deletion.
 
     Returns:
@@ -158,7 +156,7 @@ async def _remove(daemon: Daemon, root: RootConfig, plan: dict[int, _Step]) -> d
     trash = os.path.join(root.path, _gc.TRASH)
     keys = {SaveKey(root.path, n) for n, s in plan.items() if s.tmp}
     async with daemon.root_locks[root.path]:
-        daemon._collecting |= keys  # from here on, begin refuses these steps
+        daemon.collecting.update(keys)  # from here on, begin refuses these steps
         try:
             # Since the plan was made, a begin may have started an attempt, a failure may
             # be moving its directory aside, or a ``promote`` (which restores a set-aside
@@ -193,7 +191,7 @@ async def _remove(daemon: Daemon, root: RootConfig, plan: dict[int, _Step]) -> d
                 if not (taken.tmp or taken.kept or taken.forgotten):
                     del plan[step]
         finally:
-            daemon._collecting -= keys
+            daemon.collecting.difference_update(keys)
     problems = [f"cannot move {path} into the trash: {why}" for path, why in refused.items()]
     if moved:
         try:
@@ -220,11 +218,11 @@ async def _remove(daemon: Daemon, root: RootConfig, plan: dict[int, _Step]) -> d
     return plan
 
 
-def _saves_of(daemon: Daemon, root: RootConfig) -> list[SaveRecord]:
+def _saves_of(daemon: Collecting, root: RootConfig) -> list[SaveRecord]:
     return [s for s in daemon.ledger if s.key.root == root.path]
 
 
-def _busy_steps(daemon: Daemon, root: RootConfig) -> set[int]:
+def _busy_steps(daemon: Collecting, root: RootConfig) -> set[int]:
     """Steps gc leaves alone: a save in flight, or a failure still being set aside."""
     return {
         s.key.step

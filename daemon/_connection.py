@@ -10,7 +10,7 @@ written to is closed without disturbing anything else.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import anyio
 import msgspec
@@ -20,9 +20,7 @@ from orchestrator import protocol as p
 
 from ._errors import RequestError
 from ._framing import TOO_LONG, LineSocket, StalledLine
-
-if TYPE_CHECKING:
-    from ._server import Daemon
+from ._host import Serving
 
 __all__ = ["MAX_WAITS", "Connection"]
 
@@ -36,7 +34,7 @@ _LINGER: Final = 1.0
 class Connection:
     """Serves one client of ``daemon`` over ``stream``."""
 
-    def __init__(self, daemon: Daemon, conn_id: int, stream: SocketStream) -> None:
+    def __init__(self, daemon: Serving, conn_id: int, stream: SocketStream) -> None:
         self.id = conn_id
         self._daemon = daemon
         self._stream = stream

@@ -29,16 +29,25 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from functools import partial
-from typing import TYPE_CHECKING, Any, Final, TypeVar, TypeVarTuple, cast
+from typing import Any, Final, Protocol, TypeVar, TypeVarTuple, cast
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
 from orchestrator import protocol as p
 
-if TYPE_CHECKING:
-    from ._events import Events
-    from ._journal import Journal
+from ._events import Events
+
+
+class _HasLane(Protocol):
+    """What :class:`Lanes` needs of the journal (``daemon._journal.Journal``)."""
+
+    @property
+    def lane(self) -> Lane: ...
+
+    @property
+    def path(self) -> str: ...
+
 
 __all__ = ["Lane", "Lanes"]
 
@@ -205,7 +214,7 @@ class Lanes:
         threads: int,
         stall_after: float,
         events: Events,
-        journal: Journal | None = None,
+        journal: _HasLane | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._lanes = {root: Lane(root, threads, clock=clock) for root in roots}

@@ -13,8 +13,7 @@ each root's lock and off the event loop:
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Protocol
+from collections.abc import Awaitable, Callable
 
 import anyio
 from anyio.abc import TaskGroup
@@ -24,27 +23,10 @@ from orchestrator import protocol as p
 from . import _attempts
 from ._config import RootConfig
 from ._errors import RequestError
-from ._events import Events
-from ._ledger import Effect, Ledger, SaveKey, SaveRecord, SetAside
+from ._host import Host
+from ._ledger import SaveKey, SaveRecord, SetAside
 
 __all__ = ["AttemptDirs"]
-
-
-class _Daemon(Protocol):
-    """What :class:`AttemptDirs` needs of the daemon."""
-
-    ledger: Ledger
-    events: Events
-    clock: Callable[[], float]
-
-    @property
-    def root_locks(self) -> Mapping[str, anyio.Lock]: ...
-
-    def configured(self, path: str) -> RootConfig: ...
-
-    def commit(self, effects: Sequence[Effect]) -> Awaitable[None]: ...
-
-    def apply(self, effects: Sequence[Effect]) -> None: ...
 
 
 class AttemptDirs:
@@ -58,7 +40,7 @@ class AttemptDirs:
 
     def __init__(
         self,
-        daemon: _Daemon,
+        daemon: Host,
         *,
         run: Callable[..., Awaitable[object]],
     ) -> None:

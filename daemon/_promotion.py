@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -25,12 +25,10 @@ from . import _promoter
 from ._config import RootConfig
 from ._errors import PromotionError, RequestError, VerificationError
 from ._faults import crash_point
+from ._host import Host
 from ._ledger import SaveKey
 from ._promoter import Promotion, Storage
 from ._verify import Manifest, read_manifest, scan_save
-
-if TYPE_CHECKING:
-    from ._server import Daemon
 
 __all__ = ["Promoter"]
 
@@ -43,7 +41,7 @@ class Promoter:
         storage: Filesystem writes of promotion.
     """
 
-    def __init__(self, daemon: Daemon, storage: Storage) -> None:
+    def __init__(self, daemon: Host, storage: Storage) -> None:
         self._daemon = daemon
         self._storage = storage
         self._running = 0

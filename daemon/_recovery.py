@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import time
 from functools import partial
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from orchestrator import protocol as p
 
 from . import _gc
 from ._config import RootConfig
 from ._errors import RequestError
+from ._host import Recovering
 from ._journal import Replay
 from ._layout import write_layout
 from ._ledger import SaveKey
-
-if TYPE_CHECKING:
-    from ._server import Daemon
 
 __all__ = ["recover"]
 
@@ -24,7 +22,7 @@ _SCAN_WAIT: Final = 1.0
 """Seconds start-up waits for the roots' orphan scans (milliseconds on a healthy root)."""
 
 
-async def recover(daemon: Daemon, replay: Replay) -> None:
+async def recover(daemon: Recovering, replay: Replay) -> None:
     """Replay ``replay`` into ``daemon``'s ledger, then resume and report.
 
     Saves in flight get their ranks' leases re-armed (ranks that reconnect and send
@@ -73,7 +71,7 @@ async def recover(daemon: Daemon, replay: Replay) -> None:
 
 
 async def _scan_root(
-    daemon: Daemon, root: RootConfig, found: list[int], set_aside: list[int]
+    daemon: Recovering, root: RootConfig, found: list[int], set_aside: list[int]
 ) -> None:
     """Write ``root``'s layout file, set aside its failed attempts, report its orphans.
 

@@ -87,7 +87,7 @@ class Daemon:
         self._durable = 0  # changes ever made durable
         self._held: deque[tuple[int, list[Effect]]] = deque()  # effects awaiting durability
         self._flushing: anyio.Event | None = None  # set when the flush under way ends
-        self._collecting: set[SaveKey] = set()  # steps gc is removing right now (_collect)
+        self.collecting: set[SaveKey] = set()  # steps gc is removing right now (_collect)
         self.trash = TrashRemover(self.events, config.roots)
         """Deletes what gc doomed, in the background; started by ``serve``."""
         self.promoter = Promoter(self, storage or LocalStorage())
@@ -356,7 +356,7 @@ class Daemon:
                 p.ErrorCode.TOO_BUSY,
                 f"{self.ledger.unsettled} saves already in flight; retry later",
             )
-        if key in self._collecting:
+        if key in self.collecting:
             raise RequestError(
                 p.ErrorCode.INVALID_STATE, f"{root.tmp_dir(key.step)} is being removed by gc; retry"
             )
