@@ -62,7 +62,7 @@ class TestReconnect:
             assert not begun.acknowledged
             daemon = daemon_factory([root])
             daemon.wait_event("save.begun", match=lambda e: e["step"] == 1)
-            (root / "tmp_step_1").mkdir()
+            assert (root / "tmp_step_1").is_dir()  # begin() created it
             (root / "tmp_step_1" / "w.bin").write_bytes(b"w" * 10)
             client.done(str(root), 1, 0, [FileEntry("w.bin", 10)])
             assert client.wait(str(root), 1, 30.0).state == "promoted"
@@ -81,7 +81,7 @@ class TestReconnect:
             # The journal brought the save back; the client reconnects and re-attaches.
             assert restarted.wait_event("daemon.recovered")["in_flight"] == 1
             restarted.wait_event("save.rank_reconnected", match=lambda e: e["step"] == 7)
-            (root / "tmp_step_7").mkdir()
+            assert (root / "tmp_step_7").is_dir()  # begin() created it
             client.done(str(root), 7, 0)
             assert client.wait(str(root), 7, 30.0).state == "promoted"
         finally:
@@ -127,7 +127,7 @@ class TestJournalFull:
         daemon = daemon_factory([root], "--state-dir", str(small_fs / "state"))
         with CheckpointClient(str(daemon.socket_path)) as client:
             assert client.begin(str(root), 2, 0, 1).acknowledged
-            (root / "tmp_step_2").mkdir()
+            assert (root / "tmp_step_2").is_dir()  # begin() created it
             (root / "tmp_step_2" / "w.bin").write_bytes(b"w")
             filler = _fill(small_fs)
             # Large enough that its journal record needs blocks the full disk lacks.
