@@ -24,18 +24,17 @@ import concurrent.futures
 import itertools
 import logging
 import queue
-import re
 import threading
-from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 import msgspec
 
 from . import protocol as p
 from ._errors import DaemonError
 from ._layout import Layouts
+from ._wire import Barrier, Outgoing, ReplyLines, SaveRecord, TooLong, reply_id
 
-__all__ = ["Channel", "ReplyLines", "SaveRecord", "TooLong"]
+__all__ = ["Channel"]
 
 log = logging.getLogger("orchestrator")
 
@@ -43,99 +42,6 @@ _MAX_UNACKED: Final = 100_000
 _RETRY_UNAVAILABLE: Final = 0.5
 _BACKOFF_START: Final = 0.05
 _CHUNK: Final = 1 << 16
-_REPLY_ID: Final = re.compile(rb'\s*\{\s*"id"\s*:\s*(-?\d{1,19})\s*[,}]')
-
-Answer = Literal["pending", "acknowledged", "refused", "lost"]
-
-
-@dataclass(eq=False, slots=True)
-class SaveRecord:
-    """One ``begin``'s save as the I/O thread knows it; written on that thread only.
-
-    Attributes:
-        root: The checkpoint root.
-        step: The step.
-        rank: The rank.
-        world_size: Ranks writing the step.
-        answer: What became of the begin: ``pending`` until answered, ``lost`` when it
-            can never be (dropped, or its reply could not be read).
-        attempt: The attempt the daemon put in its acknowledgement (None before, and
-            from a daemon that predates attempts).
-    """
-
-    root: str
-    step: int
-    rank: int
-    world_size: int
-    answer: Answer = "pending"
-    attempt: str | None = None
-    held: list[_Outgoing] = field(default_factory=list)
-
-    @property
-    def key(self) -> tuple[str, int, int]:
-        """``(root, step, rank)``."""
-        return (self.root, self.step, self.rank)
-
-
-@dataclass(slots=True)
-class _Outgoing:
-    message: p.Request
-    future: concurrent.futures.Future[dict[str, Any]] | None = None
-    record: SaveRecord | None = None
-    line: bytes = b""
-
-
-@dataclass(frozen=True, slots=True)
-class _Barrier:
-    """Resolves ``future`` once everything queued before it is acknowledged."""
-
-    future: concurrent.futures.Future[None]
-
-
-@dataclass(frozen=True, slots=True)
-class TooLong:
-    """A reply line longer than the limit, discarded; ``head`` is its first bytes."""
-
-    head: bytes
-
-
-class ReplyLines:
-    """Splits the daemon's byte stream into lines of at most ``limit`` bytes.
-
-    A line longer than that (newline included) is not buffered past the limit: it is
-    given as one :class:`TooLong` and the rest of it is skipped up to its newline.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._buf = bytearray()
-        self._scanned = 0  # bytes of _buf known to hold no newline
-        self._skipping = False
-
-    def feed(self, data: bytes) -> list[bytes | TooLong]:
-        """Take the next bytes; return every line they complete, without newlines."""
-        out: list[bytes | TooLong] = []
-        if self._skipping:
-            end = data.find(b"\n")
-            if end < 0:
-                return out
-            data, self._skipping = data[end + 1 :], False
-        buf = self._buf
-        buf += data
-        start = 0
-        while (end := buf.find(b"\n", max(start, self._scanned))) >= 0:
-            if end + 1 - start > self.limit:
-                out.append(TooLong(bytes(buf[start : start + 64])))
-            else:
-                out.append(bytes(buf[start:end]))
-            start = end + 1
-        del buf[:start]
-        self._scanned = len(buf)
-        if len(buf) >= self.limit:  # even its newline would not fit any more
-            out.append(TooLong(bytes(buf[:64])))
-            buf.clear()
-            self._scanned, self._skipping = 0, True
-        return out
 
 
 class Channel:
@@ -160,11 +66,12 @@ class Channel:
         self._max_reply = max_reply
         self._ids = itertools.count(1)
         # Touched only on the I/O thread.
-        self._unacked: dict[int, _Outgoing] = {}
+        self._unacked: dict[int, Outgoing] = {}
         self._saves: dict[tuple[str, int, int], SaveRecord] = {}  # re-sent after reconnects
+        self._refused: dict[tuple[str, int, int], SaveRecord] = {}  # until begun again
         self._writer: asyncio.StreamWriter | None = None
         self._warned = False
-        self._outbox: queue.SimpleQueue[_Outgoing | _Barrier | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[Outgoing | Barrier | None] = queue.SimpleQueue()
         self._loop = asyncio.new_event_loop()
         self._acked = asyncio.Event()
         self._thread = threading.Thread(target=self._run, name="ckptd-client", daemon=True)
@@ -191,13 +98,13 @@ class Channel:
             else:
                 log.warning("ckptd: %s after close() is not sent", type(request).__name__)
             return
-        self._outbox.put(_Outgoing(request, future, record))
+        self._outbox.put(Outgoing(request, future, record))
 
     def barrier(self, future: concurrent.futures.Future[None]) -> bool:
         """Resolve ``future`` once all queued so far is acknowledged; False if closed."""
         if self.closed or not self._thread.is_alive():
             return False
-        self._outbox.put(_Barrier(future))  # behind everything queued so far
+        self._outbox.put(Barrier(future))  # behind everything queued so far
         return True
 
     def close(self) -> None:
@@ -217,7 +124,7 @@ class Channel:
         # One wake-up of the loop per burst of messages, paid by this thread.
         while True:
             item = self._outbox.get()
-            batch: list[_Outgoing | _Barrier] = []
+            batch: list[Outgoing | Barrier] = []
             while item is not None:
                 batch.append(item)
                 try:
@@ -251,10 +158,10 @@ class Channel:
         if not barrier.done():
             barrier.set_result(None)
 
-    def _send_batch(self, batch: list[_Outgoing | _Barrier]) -> None:
+    def _send_batch(self, batch: list[Outgoing | Barrier]) -> None:
         lines: list[bytes] = []
         for item in batch:
-            if isinstance(item, _Barrier):
+            if isinstance(item, Barrier):
                 self._loop.create_task(self._drained(item.future))
                 continue
             message, record = item.message, item.record
@@ -262,10 +169,11 @@ class Channel:
                 # An open save from now on: re-sent after a reconnect. (Recorded here, not
                 # by the caller, so a begin still on its way here is never sent twice.)
                 self._saves[record.key] = record
+                self._refused.pop(record.key, None)
             elif isinstance(message, p.Done | p.Fail):
                 if record is None:  # a bare done/fail: the key's latest begin
                     key = (message.root, message.step, message.rank)
-                    record = item.record = self._saves.get(key)
+                    record = item.record = self._saves.get(key) or self._refused.get(key)
                 if record is not None and record.answer == "pending":
                     record.held.append(item)  # sent once the begin is answered
                     continue
@@ -278,7 +186,7 @@ class Channel:
         if self._writer is not None and lines:
             self._writer.write(b"".join(lines))
 
-    def _enqueue(self, item: _Outgoing) -> bytes:
+    def _enqueue(self, item: Outgoing) -> bytes:
         message = item.message
         record = item.record
         if isinstance(message, p.Done | p.Fail) and record is not None and record.attempt:
@@ -347,7 +255,7 @@ class Channel:
                 resent=True,
                 attempt=record.attempt,
             )
-            again = _Outgoing(msg, None, record, p.encode(msg))
+            again = Outgoing(msg, None, record, p.encode(msg))
             self._unacked[msg.id] = again
             written.add(msg.id)
             writer.write(again.line)
@@ -375,8 +283,8 @@ class Channel:
                     self._on_reply(reply)
 
     def _on_too_long(self, head: bytes) -> None:
-        found = _REPLY_ID.match(head)
-        outgoing = None if found is None else self._unacked.pop(int(found[1]), None)
+        rid = reply_id(head)
+        outgoing = None if rid is None else self._unacked.pop(rid, None)
         if outgoing is None:
             log.warning("ckptd: discarded a reply longer than %s bytes", self._max_reply)
             return
@@ -388,7 +296,7 @@ class Channel:
         self._unanswerable(outgoing, DaemonError("reply_too_long", message))
         self._wake_drained()
 
-    def _unanswerable(self, outgoing: _Outgoing, error: DaemonError) -> None:
+    def _unanswerable(self, outgoing: Outgoing, error: DaemonError) -> None:
         if outgoing.future is not None and not outgoing.future.done():
             outgoing.future.set_exception(error)
         record = outgoing.record
@@ -446,6 +354,7 @@ class Channel:
                 self.layouts.learn(begin.root, begin.step, path)
         else:
             record.answer = "refused"
+            self._refused[record.key] = record
         self._release(record)
 
     def _resend_one(self, rid: int) -> None:

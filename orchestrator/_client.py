@@ -20,11 +20,12 @@ from typing import Any
 import msgspec
 
 from . import protocol as p
-from ._channel import Channel, SaveRecord
+from ._channel import Channel
 from ._errors import DaemonError
 from ._layout import Layouts, make_step_dir
 from ._pending import Begun, PendingBegin
 from ._tracking import SaveHandle
+from ._wire import SaveRecord
 from .protocol import default_socket_path
 
 __all__ = ["CheckpointClient"]

@@ -21,8 +21,9 @@ from typing import Any
 import msgspec
 
 from . import protocol as p
-from ._channel import Channel, SaveRecord
+from ._channel import Channel
 from ._errors import DaemonError
+from ._wire import SaveRecord
 
 __all__ = ["Begun", "PendingBegin"]
 
