@@ -99,7 +99,7 @@ def main() -> None:
         orchestrator.async_save(
             {"optim": optim_sd}, root=args.root, step=step, subdir="optim", handle=handle
         )
-        if rank == 0:
+        if rank == 0:  # the step's directory exists once save() has returned
             info = os.path.join(handle.path, "training_info.json")
             with open(info, "w") as fh:
                 json.dump({"step": step, "loss": loss.item()}, fh)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 
-from orchestrator import Begun, CheckpointClient, FileEntry
+from orchestrator import CheckpointClient, FileEntry
 from tests.conftest import REPO, DaemonProcess, LineClient
 
 
@@ -293,13 +293,14 @@ class TestBeginNotAwaited:
         daemon = daemon_factory([], "--config", str(config))
         with CheckpointClient(str(daemon.socket_path), begin_timeout=60.0) as client:
             first = client.begin(str(root), 1, 0, 2)  # waits: learns where this root writes
-            assert first == Begun(str(root / "incoming-1"), acknowledged=True)
+            assert (first.path, first.acknowledged) == (str(root / "incoming-1"), True)
             stopped(daemon)
             pending = client.begin_nowait(str(root), 2, 0, 2)
             assert pending.path == str(root / "incoming-2")  # no answer needed
             assert daemon.proc is not None
             daemon.proc.send_signal(signal.SIGCONT)
-            assert pending.result() == Begun(str(root / "incoming-2"), acknowledged=True)
+            second = pending.result()
+            assert (second.path, second.acknowledged) == (str(root / "incoming-2"), True)
 
 
 class TestNoTorchInDaemon:
