@@ -158,18 +158,25 @@ class CheckpointClient:
         Returns:
             The handle, not yet sealed.
         """
-        handle = self._open(root, step, rank, world_size)
-        if wait and handle.refusal is not None:
-            return handle
-        make_step_dir(handle.path)
+        handle, pending = self._open(root, step, rank, world_size)
+        if wait:
+            pending.result()
+        path = pending.path  # waits only for a root whose layout is unknown (see above)
+        answer = pending.known()
+        if answer is None or answer.error is None:  # nothing of a known refusal is made
+            make_step_dir(path)
         return handle
 
-    def _open(self, root: str, step: int, rank: int, world_size: int) -> SaveHandle:
+    def _open(
+        self, root: str, step: int, rank: int, world_size: int
+    ) -> tuple[SaveHandle, PendingBegin]:
         pending = self.begin_nowait(root, step, rank, world_size)
         handle = SaveHandle(root, step, rank, pending, self._forget)
         with self._lock:
             self._handles.add(handle)
-        return handle
+        if handle.wait_local(0):  # refused before it was added: already forgotten
+            self._forget(handle)
+        return handle, pending
 
     def _forget(self, handle: SaveHandle) -> None:
         with self._lock:
@@ -254,7 +261,7 @@ class CheckpointClient:
             ValueError: ``handle`` is for another root, step or rank.
         """
         if handle is None:
-            handle = self._open(root, step, rank, world_size)
+            handle, _ = self._open(root, step, rank, world_size)
         elif (handle.root, handle.step, handle.rank) != (root, step, rank):
             raise ValueError(
                 f"track({root!r}, {step}, {rank}) was given the handle of step "

@@ -14,7 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,6 +104,20 @@ class PendingBegin:
             elif not self._answered and self._future.done():
                 self._begun, self._answered = self._settled(), True
             return self._begun
+
+    def known(self) -> Begun | None:
+        """The answer as :meth:`result` last gave it, without waiting; None before."""
+        with self._lock:
+            return self._begun
+
+    def when_refused(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (on the client's thread) if the daemon refuses the begin."""
+
+        def check(future: concurrent.futures.Future[dict[str, Any]]) -> None:
+            if future.exception() is None and not future.result().get("ok"):
+                callback()
+
+        self._future.add_done_callback(check)
 
     def report_done(self, files: Iterable[p.FileEntry]) -> None:
         """Send this save's ``done`` (after its ``begin`` is answered). Never blocks."""

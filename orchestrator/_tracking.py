@@ -78,6 +78,10 @@ class SaveLink(Protocol):
         """The daemon's answer to the save's ``begin`` (bounded wait, never raises)."""
         ...
 
+    def when_refused(self, callback: Callable[[], None]) -> None:
+        """Have ``callback`` called if the daemon refuses the save's ``begin``."""
+        ...
+
     def report_done(self, files: Iterable[FileEntry]) -> None:
         """Send the save's ``done`` with the files this rank wrote. Never blocks."""
         ...
@@ -93,8 +97,9 @@ class SaveHandle:
     Create it with :meth:`CheckpointClient.save`. Add each future the rank's save
     produced, then :meth:`seal` it: no ``done`` is sent before the seal, so a step saved
     through several calls cannot be promoted after only the first. A save whose
-    ``begin`` the daemon refused reports nothing (:attr:`refusal` says why): the daemon
-    never admitted this rank, so a ``fail`` would land on whichever save holds the step.
+    ``begin`` the daemon refused reports nothing (:attr:`refusal` says why), and counts
+    as settled as soon as the refusal arrives: the daemon never admitted this rank, so a
+    ``fail`` would land on whichever save holds the step.
 
     Args:
         root: The checkpoint root.
@@ -123,6 +128,7 @@ class SaveHandle:
         self._finished = False
         self._files: list[FileEntry] = []
         self._settled = threading.Event()
+        link.when_refused(self._refused)
 
     @property
     def path(self) -> str:
@@ -239,6 +245,14 @@ class SaveHandle:
             Whether the handle reported ``done`` or ``fail`` within ``timeout`` seconds.
         """
         return self._settled.wait(timeout)
+
+    def _refused(self) -> None:
+        # Nothing of this save will ever be reported: it is settled as it stands.
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
+        self._settle()
 
     def _resolve(self, files: list[FileEntry] | None, error: str | None) -> None:
         if error is not None:

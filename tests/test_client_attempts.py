@@ -120,6 +120,8 @@ class TestRefusedBegin:
             handle = client.save(str(root), 7, 0, 1)
             assert handle.refusal == p.ErrorInfo("step_closed", "step 7 is being verified")
             assert not handle.begun.acknowledged and handle.attempt is None
+            assert handle.wait_local(0)  # settled: it will never report anything
+            assert client.wait_saves(0)
             upload: Future[None] = Future()
             handle.add(upload)
             handle.seal()
@@ -131,6 +133,7 @@ class TestRefusedBegin:
         assert not Path(handle.path).exists()  # save() waited: nothing of it was created
         refusals = [r.getMessage() for r in caplog.records if "refused begin" in r.getMessage()]
         assert len(refusals) == 1 and "step_closed" in refusals[0]
+        assert not [r for r in caplog.records if "sealed" in r.getMessage()]
 
     def test_fail_of_a_refused_save_never_lands_on_the_other_save(
         self, daemon_factory: Callable[..., DaemonProcess], root: Path

@@ -145,7 +145,7 @@ class StepTracker:
         refused = _refusals(handle, rank, world)
         if refused:
             mine = [error for error in refused if error.rank == rank]
-            if handle is not None and not mine:  # acknowledged here: the step cannot complete
+            if handle is not None:  # if acknowledged here, the step can never complete
                 handle.fail(f"the save stopped on every rank: {refused[0]}")
             raise (mine or refused)[0]
         if location is None or handle is None:
