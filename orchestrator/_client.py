@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 
@@ -32,7 +32,7 @@ __all__ = ["CheckpointClient"]
 
 log = logging.getLogger("orchestrator")
 
-_CLOSE_TIMEOUT = 600.0
+_CLOSE_TIMEOUT: Final = 600.0
 
 
 class CheckpointClient:
