@@ -11,6 +11,10 @@ A real :class:`orchestrator.CheckpointClient` connected to a real daemon. Timed 
 - the done-callback: completing the upload future (``set_result`` with a DCP
   ``Metadata`` of 16 shards) runs it on the calling thread, as DCP's writer thread does:
   it lists the rank's shard files and queues ``done`` for the client's I/O thread.
+- the step directory ``save()`` creates on the calling thread (the path contract): the
+  very call it makes, for a new directory and for one that exists already (``EEXIST``),
+  against ``os.stat`` of the root (one cheap syscall) measured in the same run; and
+  ``save(wait=False)`` of a new step as a whole, directory included.
 
 Baselines in the same run: ``Future.add_done_callback`` of a no-op plus nothing else
 (the floor of registering), and ``set_result`` on a future with a no-op callback. Two
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import os
 import queue
 import threading
 import time
@@ -40,6 +45,7 @@ from functools import partial
 from typing import Any
 
 from orchestrator import CheckpointClient
+from orchestrator._layout import make_step_dir  # the exact call save() makes
 
 from ._common import BenchResult, Daemon, Row, median, p99, print_table, scratch_dir
 
@@ -119,6 +125,12 @@ def run(
             begin_new: list[float] = []
             add_seal: list[float] = []
             callback: list[float] = []
+            base_stat: list[float] = []
+            mkdir_new: list[float] = []
+            mkdir_exists: list[float] = []
+            save_new: list[float] = []
+            dirs = root / "dirs"
+            dirs.mkdir()
             loop = asyncio.new_event_loop()
             looper = threading.Thread(target=loop.run_forever, daemon=True)
             looper.start()
@@ -141,6 +153,16 @@ def run(
                     client.flush(30.0)
                     begin = partial(client.begin, rootp, 2_000_000 + i, 0, 2)
                     begin_new.append(_time_ns(begin) / 1000)
+                    client.flush(30.0)
+                    start = time.perf_counter_ns()
+                    opened = client.save(rootp, 3_000_000 + i, 0, 2, wait=False)
+                    save_new.append((time.perf_counter_ns() - start) / 1000)
+                    opened.seal()
+                    client.flush(30.0)  # the client's threads idle again: nothing competes
+                    base_stat.append(_time_ns(partial(os.stat, rootp)) / 1000)
+                    fresh = str(dirs / f"d{i}")
+                    mkdir_new.append(_time_ns(partial(make_step_dir, fresh)) / 1000)
+                    mkdir_exists.append(_time_ns(partial(make_step_dir, fresh)) / 1000)
                 client.flush(30.0)
                 fut = Future()
                 track = partial(client.track, rootp, 1, 0, 2, fut, dcp_dir=".")
@@ -210,6 +232,15 @@ def run(
     ]
     for row in rows:
         row.target, row.met = "p50 < 20 us", row.median < 20.0
+    saved = _row(
+        "save(wait=False), new step", "training thread", save_new, base_reg, "add_done_callback"
+    )
+    saved.note = "begin queued, the step's directory created (layout known)"
+    rows.append(saved)
+    for name, samples in (("new", mkdir_new), ("exists (EEXIST)", mkdir_exists)):
+        made = _row(f"step directory, {name}", "training thread", samples, base_stat, "os.stat")
+        made.note = "one mkdir: what save() adds for the path contract"
+        rows.append(made)
     ack = _row("begin() acknowledged, new step", "round trip", begin_new, None, "")
     ack.note = "what orchestrator.async_save overlaps with dcp.async_save's own work"
     floor = _row("call_soon_threadsafe", "hand-off to a loop thread", handoff, None, "")
@@ -241,6 +272,10 @@ def run(
             "handoff_queue_us": handoff_q,
             "handoff_idle_us": handoff_idle,
             "add_seal_us": add_seal,
+            "save_new_us": save_new,
+            "stat_us": base_stat,
+            "mkdir_new_us": mkdir_new,
+            "mkdir_exists_us": mkdir_exists,
             "callback_us": callback,
             "handoff_us": handoff,
             "alloc_sizes": sizes,

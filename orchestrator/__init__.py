@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._client import Begun, CheckpointClient, DaemonError, PendingBegin, default_socket_path
+from ._client import CheckpointClient
+from ._errors import DaemonError, SaveRefused
+from ._pending import Begun, PendingBegin
 from ._tracking import SaveHandle, files_from_metadata
-from .protocol import FileEntry
+from .protocol import FileEntry, default_socket_path
 
 if TYPE_CHECKING:
     from ._dcp import AfterBeginPlanner, async_save, checkpoint_group, default_client
@@ -22,6 +24,7 @@ __all__ = [
     "FileEntry",
     "PendingBegin",
     "SaveHandle",
+    "SaveRefused",
     "async_save",
     "checkpoint_group",
     "default_client",

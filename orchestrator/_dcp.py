@@ -15,7 +15,9 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 
 from ._client import CheckpointClient
+from ._errors import SaveRefused
 from ._tracking import SaveHandle, describe
+from .protocol import ErrorInfo
 
 __all__ = ["AfterBeginPlanner", "async_save", "checkpoint_group", "default_client"]
 
@@ -69,12 +71,23 @@ def async_save(
     Calls ``dcp.async_save`` on a separate gloo group and sends ``begin`` to the daemon.
     The training thread does not wait for the daemon: DCP's upload thread does, before
     it creates the directory or writes a byte (:class:`AfterBeginPlanner`), so the
-    daemon has journaled the save before anything of it lands. Only the first save of a
-    root in a process sends ``begin`` first and waits for the acknowledgement, which
-    tells the client where the root's steps go; later ones send it after DCP's call
-    returns, so nothing of the client or the daemon runs during the call. ``done`` with
-    this rank's shard files (or ``fail``) is reported when the upload completes; the
-    training thread never waits for the upload. All ranks of the group must call it.
+    daemon has journaled the save before anything of it lands. Once the client can name
+    the step's directory without the daemon (from an earlier acknowledged ``begin`` of
+    the root, or the root's layout file), ``begin`` is sent after DCP's call returns, so
+    nothing of the client or the daemon runs during the call; before that, the first
+    save of a root waits for the acknowledgement to learn where the root's steps go.
+    ``done`` with this rank's shard files (or ``fail``) is reported when the upload
+    completes; the training thread never waits for the upload. All ranks of the group
+    must call it.
+
+    The directory of the step (``handle.path``) exists when this returns, daemon or no
+    daemon. If the daemon *refuses* the ``begin`` (the step is already promoted, being
+    verified, failed, or of another attempt), the save writes nothing: its planner
+    raises :class:`SaveRefused` when DCP sets it up, DCP's plan then fails on every rank,
+    and the returned future fails with a ``CheckpointException`` (the handle reports
+    neither ``done`` nor ``fail``; :attr:`SaveHandle.refusal` says why). If the daemon is
+    merely unreachable or slow (no answer within ``begin_timeout``), the save goes on,
+    unpromoted unless the daemon acknowledges it later.
 
     A step written by several calls (model and optimizer in their own DCP directories)
     must share one handle, or the daemon could promote the step after the first part
@@ -125,7 +138,7 @@ def async_save(
     seal = handle is None
     client = client or default_client()
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    # Where the step goes is known once the client has learned the root's layout; the
+    # Where the step goes is known once the client can name it without the daemon; the
     # begin is then sent after DCP's call, so that neither the client's threads nor the
     # daemon compete with the call for the CPU and the GIL.
     path = client.step_path(root, step) if handle is None and planner is not None else None
@@ -133,6 +146,12 @@ def async_save(
         handle = client.save(root, step, rank, world_size, wait=planner is None)
         if planner is not None:
             planner.bind(handle)
+    if planner is None:
+        assert handle is not None
+        refusal = handle.refusal  # the training thread waits here (bounded)
+        if refusal is not None:
+            # Nothing may be written: DCP's plan fails on every rank instead.
+            kwargs["planner"] = _RefusedPlanner(_refused(handle, refusal))
     base = handle.path if handle is not None else path
     assert base is not None
     checkpoint_id = os.path.join(base, subdir) if subdir else base
@@ -147,7 +166,7 @@ def async_save(
             planner.bind(None)  # never begun: an upload DCP started must not write
         raise
     if handle is None:
-        handle = client.save(root, step, rank, world_size, wait=False)
+        handle = client.save(root, step, rank, world_size, wait=False)  # creates the dir
         if planner is not None:
             planner.bind(handle)
     _inflight[subdir] = _upload_future(result)
@@ -162,7 +181,18 @@ class AfterBeginPlanner(DefaultSavePlanner):
 
     DCP sets the planner up on the upload thread before it creates the directory or
     writes anything, so no byte of the save lands before the daemon has recorded it
-    (and, for a retried step, moved the failed attempt's files aside).
+    (and, for a retried step, moved the failed attempt's files aside). If the daemon
+    refused the ``begin``, setting up raises :class:`SaveRefused`: DCP's plan is a
+    collective, so the save fails on every rank before any of them writes. If the
+    daemon does not answer within the client's ``begin_timeout``, the save goes on.
+
+    For a save started with ``dcp.async_save`` directly, begin the handle first and
+    pass both to :meth:`CheckpointClient.track`::
+
+        handle = client.save(root, step, rank, world_size, wait=False)
+        future = dcp.async_save(sd, checkpoint_id=handle.path,
+                                planner=AfterBeginPlanner(handle))
+        client.track(root, step, rank, world_size, future, handle=handle)
 
     Args:
         handle: The save whose ``begin`` must be acknowledged first; None to name it
@@ -190,13 +220,51 @@ class AfterBeginPlanner(DefaultSavePlanner):
         """Wait for the acknowledgement (bounded by the client), then set up as DCP does.
 
         Raises:
+            SaveRefused: the daemon refused the save's ``begin``.
             RuntimeError: the save was never begun (its save call failed).
         """
         self._bound.wait()
         if self._handle is None:
             raise RuntimeError("ckptd: the save call failed before the save was begun")
-        _ = self._handle.begun
+        refusal = self._handle.refusal
+        if refusal is not None:
+            raise _refused(self._handle, refusal)
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
+
+
+class _RefusedPlanner(DefaultSavePlanner):
+    """A planner for a save whose ``begin`` the daemon refused: setting it up raises.
+
+    What :func:`async_save` passes in place of the caller's planner (or in an upload
+    process, where :class:`AfterBeginPlanner` cannot wait) once the refusal is known:
+    DCP's plan then fails on every rank before any write. Picklable.
+
+    Args:
+        error: What setting up raises.
+    """
+
+    def __init__(self, error: SaveRefused) -> None:
+        super().__init__()
+        self.error = error
+
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        storage_meta: StorageMeta | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        """Refuse to plan.
+
+        Raises:
+            SaveRefused: always.
+        """
+        raise self.error
+
+
+def _refused(handle: SaveHandle, refusal: ErrorInfo) -> SaveRefused:
+    return SaveRefused(
+        refusal.code, refusal.message, root=handle.root, step=handle.step, rank=handle.rank
+    )
 
 
 def _wait_quietly(future: Future[Any]) -> None:

@@ -5,23 +5,26 @@ A rank may write a step through several futures (model, optimizer) and plain fil
 resolved without error, it reports ``done`` with the files the rank wrote. Any error,
 including DCP's ``CheckpointException`` (a ``BaseException``), reports ``fail``.
 Callbacks run on the writer's thread; nothing here runs on the training thread after
-the save call returns.
+the save call returns. An error while reporting (e.g. reading the shard files from a
+result whose metadata is broken) reports ``fail`` too: ``concurrent.futures`` would
+otherwise swallow it, and the step would be neither done nor failed.
+
+A handle needs little of the client that began it: the :class:`SaveLink` protocol
+(which ``PendingBegin`` implements), so this module does not depend on the client.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from .protocol import FileEntry
+from ._pending import Begun
+from .protocol import ErrorInfo, FileEntry
 
-if TYPE_CHECKING:
-    from ._client import Begun, CheckpointClient, PendingBegin
-
-__all__ = ["SaveHandle", "describe", "files_from_metadata"]
+__all__ = ["SaveHandle", "SaveLink", "describe", "files_from_metadata"]
 
 
 def files_from_metadata(result: Any, dcp_dir: str, group_rank: int) -> list[FileEntry]:
@@ -63,33 +66,78 @@ def describe(exc: BaseException, limit: int = 2000) -> str:
     return f"{type(exc).__name__}: {text}"[:limit]
 
 
+class SaveLink(Protocol):
+    """What a :class:`SaveHandle` needs from the client that began its save."""
+
+    @property
+    def path(self) -> str:
+        """Directory the step is written into."""
+        ...
+
+    def result(self) -> Begun:
+        """The daemon's answer to the save's ``begin`` (bounded wait, never raises)."""
+        ...
+
+    def when_refused(self, callback: Callable[[], None]) -> None:
+        """Have ``callback`` called if the daemon refuses the save's ``begin``."""
+        ...
+
+    def report_done(self, files: Iterable[FileEntry]) -> None:
+        """Send the save's ``done`` with the files this rank wrote. Never blocks."""
+        ...
+
+    def report_fail(self, reason: str) -> None:
+        """Send the save's ``fail``. Never blocks."""
+        ...
+
+
 class SaveHandle:
     """One rank's save of one step, reported to the daemon when every part has landed.
 
     Create it with :meth:`CheckpointClient.save`. Add each future the rank's save
     produced, then :meth:`seal` it: no ``done`` is sent before the seal, so a step saved
-    through several calls cannot be promoted after only the first.
+    through several calls cannot be promoted after only the first. A save whose
+    ``begin`` the daemon refused reports nothing (:attr:`refusal` says why), and counts
+    as settled as soon as the refusal arrives: the daemon never admitted this rank, so a
+    ``fail`` would land on whichever save holds the step.
+
+    Args:
+        root: The checkpoint root.
+        step: The step.
+        rank: This rank.
+        link: How the handle reaches the daemon (the save's ``PendingBegin``).
+        on_settled: Called once the handle has reported ``done`` or ``fail``.
     """
 
     def __init__(
-        self, client: CheckpointClient, root: str, step: int, rank: int, begun: PendingBegin
+        self,
+        root: str,
+        step: int,
+        rank: int,
+        link: SaveLink,
+        on_settled: Callable[[SaveHandle], None] | None = None,
     ) -> None:
-        self._client = client
         self.root = root
         self.step = step
         self.rank = rank
-        self._begun = begun
+        self._link = link
+        self._on_settled = on_settled
         self._lock = threading.Lock()
         self._outstanding = 0
         self._sealed = False
         self._finished = False
         self._files: list[FileEntry] = []
         self._settled = threading.Event()
+        link.when_refused(self._refused)
 
     @property
     def path(self) -> str:
-        """Directory this step is written into (``ROOT/tmp_step_N``)."""
-        return self._begun.path
+        """Directory this step is written into (``ROOT/tmp_step_N``).
+
+        Exists once :meth:`CheckpointClient.save` or ``orchestrator.async_save``
+        returned, whether or not the daemon is reachable.
+        """
+        return self._link.path
 
     @property
     def begun(self) -> Begun:
@@ -97,7 +145,30 @@ class SaveHandle:
 
         Waits for it at most the client's ``begin_timeout`` (the first time only).
         """
-        return self._begun.result()
+        return self._link.result()
+
+    @property
+    def attempt(self) -> str | None:
+        """The attempt this save joined (waits as :attr:`begun` does).
+
+        None until the daemon acknowledged the ``begin``, and from a daemon that
+        predates attempts.
+        """
+        return self.begun.attempt
+
+    @property
+    def refusal(self) -> ErrorInfo | None:
+        """Why the daemon refused this save's ``begin`` (waits as :attr:`begun` does).
+
+        None unless it refused: acknowledged, or not answered in time (the save then
+        goes on unpromoted unless the daemon acknowledges it later).
+        """
+        return self.begun.error
+
+    @property
+    def sealed(self) -> bool:
+        """Whether :meth:`seal` was called: no more parts come."""
+        return self._sealed
 
     def add(
         self, future: Any, *, dcp_dir: str | None = None, group_rank: int | None = None
@@ -122,14 +193,20 @@ class SaveHandle:
         rank = self.rank if group_rank is None else group_rank
 
         def on_done(fut: Future[Any]) -> None:
-            if fut.cancelled():
-                self._resolve(None, "the save future was cancelled")
+            try:
+                if fut.cancelled():
+                    self._resolve(None, "the save future was cancelled")
+                    return
+                exc = fut.exception()
+                if exc is not None:
+                    self._resolve(None, describe(exc))
+                    return
+                found = [] if dcp_dir is None else files_from_metadata(fut.result(), dcp_dir, rank)
+            except BaseException as exc:  # a callback boundary: never leave the step hanging
+                self._resolve(None, f"reporting the save's files raised {describe(exc)}")
+                if not isinstance(exc, Exception):
+                    raise
                 return
-            exc = fut.exception()
-            if exc is not None:
-                self._resolve(None, describe(exc))
-                return
-            found = [] if dcp_dir is None else files_from_metadata(fut.result(), dcp_dir, rank)
             self._resolve(found, None)
 
         upload.add_done_callback(on_done)
@@ -150,17 +227,32 @@ class SaveHandle:
             self._send_done()
 
     def fail(self, reason: str) -> None:
-        """Report the save failed (e.g. the save call itself raised)."""
+        """Report the save failed (e.g. the save call itself raised).
+
+        Does nothing if the handle already reported. Parts added later are ignored.
+        """
         with self._lock:
             if self._finished:
                 return
             self._finished = True
-        self._client.fail(self.root, self.step, self.rank, reason)
+        self._link.report_fail(reason)
         self._settle()
 
     def wait_local(self, timeout: float | None = None) -> bool:
-        """Block until this rank's parts have resolved and been reported (tests, shutdown)."""
+        """Block until this rank's parts have resolved and been reported (tests, shutdown).
+
+        Returns:
+            Whether the handle reported ``done`` or ``fail`` within ``timeout`` seconds.
+        """
         return self._settled.wait(timeout)
+
+    def _refused(self) -> None:
+        # Nothing of this save will ever be reported: it is settled as it stands.
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
+        self._settle()
 
     def _resolve(self, files: list[FileEntry] | None, error: str | None) -> None:
         if error is not None:
@@ -176,9 +268,10 @@ class SaveHandle:
             self._send_done()
 
     def _send_done(self) -> None:
-        self._client.done(self.root, self.step, self.rank, self._files)
+        self._link.report_done(self._files)
         self._settle()
 
     def _settle(self) -> None:
         self._settled.set()
-        self._client._forget(self)
+        if self._on_settled is not None:
+            self._on_settled(self)

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.storage import WriteResult
 
 import orchestrator
@@ -85,6 +86,11 @@ class ReportingWriter(FileSystemWriter):
         super().set_up_storage_writer(*args, **kwargs)
 
 
+def _step_dir(client: orchestrator.CheckpointClient, root: str, step: int) -> str:
+    """Where the client names the step's directory without asking the daemon."""
+    return client.step_path(root, step) or os.path.join(root, f"tmp_step_{step}")
+
+
 def _plain_save(client: orchestrator.CheckpointClient, args: argparse.Namespace) -> None:
     """One ``orchestrator.async_save`` per step with no handle: it begins and seals."""
     rank = dist.get_rank()
@@ -100,10 +106,70 @@ def _plain_save(client: orchestrator.CheckpointClient, args: argparse.Namespace)
             client=client,
             storage_writer=ReportingWriter(args.root, rank, step),
         )
-        say(event="save_returned", rank=rank, step=step)
+        path = _step_dir(client, args.root, step)
+        say(event="save_returned", rank=rank, step=step, path=path, exists=os.path.isdir(path))
         uploads.append(getattr(result, "upload_completion", result))
     for upload in uploads:
         upload.result()
+
+
+def _save_by(
+    client: orchestrator.CheckpointClient, args: argparse.Namespace, step: int
+) -> tuple[Any, orchestrator.SaveHandle | None]:
+    """One save of ``step`` the way ``--mode`` says a trainer makes it."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state = state_for(rank, step, args.numel)
+    handle = None
+    if args.mode == "plain":  # async_save begins and seals its own handle
+        result = orchestrator.async_save(state, root=args.root, step=step, client=client)
+    elif args.mode == "handle":  # the caller's handle, begun and awaited first
+        handle = client.save(args.root, step, rank, world)
+        result = orchestrator.async_save(
+            state, root=args.root, step=step, client=client, handle=handle
+        )
+        handle.seal()
+    else:  # the caller's own dcp.async_save, gated on a handle begun first, then tracked
+        handle = client.save(args.root, step, rank, world, wait=False)
+        group = orchestrator.checkpoint_group()
+        result = dcp_async_save(
+            state,
+            checkpoint_id=handle.path,
+            process_group=group,
+            planner=orchestrator.AfterBeginPlanner(handle),
+        )
+        client.track(
+            args.root,
+            step,
+            rank,
+            world,
+            result,
+            dcp_dir=".",
+            group_rank=dist.get_rank(group),
+            handle=handle,
+        )
+    path = handle.path if handle is not None else _step_dir(client, args.root, step)
+    say(event="save_returned", rank=rank, step=step, path=path, exists=os.path.isdir(path))
+    return result, handle
+
+
+def _saves_by_mode(client: orchestrator.CheckpointClient, args: argparse.Namespace) -> None:
+    """Each step saved in turn (``--mode``), its outcome reported before the next."""
+    rank = dist.get_rank()
+    for i, step in enumerate(int(s) for s in args.steps.split(",")):
+        if i and args.gate:
+            _gate(args.gate, rank, f"save{i}")
+        result, handle = _save_by(client, args, step)
+        upload = getattr(result, "upload_completion", result)
+        try:
+            upload.result()
+            ok, error = True, ""
+        except BaseException as exc:  # CheckpointException derives from BaseException
+            ok, error = False, str(exc)[:8000]
+        refusal = None if handle is None or handle.refusal is None else handle.refusal.code
+        say(event="upload_done", rank=rank, step=step, save=i, ok=ok, error=error, refusal=refusal)
+        if ok and args.wait_promoted and rank == 0:
+            say(event="settled", step=step, state=client.wait(args.root, step, 60.0).state)
+        dist.barrier()  # a refused save's DCP plan failed on every rank: the group is fine
 
 
 def _write_extra(
@@ -141,13 +207,17 @@ def main() -> None:
     parser.add_argument("--stager", action="store_true", help="use a CPU-safe DefaultStager")
     parser.add_argument("--parts", default="", help="DCP subdirs per step, e.g. model,optim")
     parser.add_argument("--plain", action="store_true", help="async_save without a handle")
+    parser.add_argument(
+        "--mode", choices=["plain", "handle", "track"], help="save each step this way, in turn"
+    )
+    parser.add_argument("--wait-promoted", action="store_true", help="wait for each step")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     client = orchestrator.CheckpointClient(begin_timeout=10.0)
-    if args.plain:
-        _plain_save(client, args)
+    if args.plain or args.mode:
+        (_saves_by_mode if args.mode else _plain_save)(client, args)
         dist.barrier()
         say(event="finished", rank=rank, world=world)
         client.close()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 
-from orchestrator import Begun, CheckpointClient, FileEntry
+from orchestrator import CheckpointClient, FileEntry
 from tests.conftest import REPO, DaemonProcess, LineClient
 
 
@@ -62,7 +62,7 @@ class TestReconnect:
             assert not begun.acknowledged
             daemon = daemon_factory([root])
             daemon.wait_event("save.begun", match=lambda e: e["step"] == 1)
-            (root / "tmp_step_1").mkdir(exist_ok=True)
+            assert (root / "tmp_step_1").is_dir()  # begin() created it
             (root / "tmp_step_1" / "w.bin").write_bytes(b"w" * 10)
             client.done(str(root), 1, 0, [FileEntry("w.bin", 10)])
             assert client.wait(str(root), 1, 30.0).state == "promoted"
@@ -81,7 +81,7 @@ class TestReconnect:
             # The journal brought the save back; the client reconnects and re-attaches.
             assert restarted.wait_event("daemon.recovered")["in_flight"] == 1
             restarted.wait_event("save.rank_reconnected", match=lambda e: e["step"] == 7)
-            (root / "tmp_step_7").mkdir(exist_ok=True)
+            assert (root / "tmp_step_7").is_dir()  # begin() created it
             client.done(str(root), 7, 0)
             assert client.wait(str(root), 7, 30.0).state == "promoted"
         finally:
@@ -127,7 +127,7 @@ class TestJournalFull:
         daemon = daemon_factory([root], "--state-dir", str(small_fs / "state"))
         with CheckpointClient(str(daemon.socket_path)) as client:
             assert client.begin(str(root), 2, 0, 1).acknowledged
-            (root / "tmp_step_2").mkdir(exist_ok=True)
+            assert (root / "tmp_step_2").is_dir()  # begin() created it
             (root / "tmp_step_2" / "w.bin").write_bytes(b"w")
             filler = _fill(small_fs)
             # Large enough that its journal record needs blocks the full disk lacks.
@@ -293,13 +293,14 @@ class TestBeginNotAwaited:
         daemon = daemon_factory([], "--config", str(config))
         with CheckpointClient(str(daemon.socket_path), begin_timeout=60.0) as client:
             first = client.begin(str(root), 1, 0, 2)  # waits: learns where this root writes
-            assert first == Begun(str(root / "incoming-1"), acknowledged=True)
+            assert (first.path, first.acknowledged) == (str(root / "incoming-1"), True)
             stopped(daemon)
             pending = client.begin_nowait(str(root), 2, 0, 2)
             assert pending.path == str(root / "incoming-2")  # no answer needed
             assert daemon.proc is not None
             daemon.proc.send_signal(signal.SIGCONT)
-            assert pending.result() == Begun(str(root / "incoming-2"), acknowledged=True)
+            second = pending.result()
+            assert (second.path, second.acknowledged) == (str(root / "incoming-2"), True)
 
 
 class TestNoTorchInDaemon:

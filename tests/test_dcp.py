@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -17,7 +18,9 @@ import torch
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from daemon.cli import main
+from orchestrator.protocol import LAYOUT_FILE
 from tests._dcp_worker import state_for
+from tests._files import snapshot
 from tests._ranks import free_port, pump_lines, start_rank
 from tests.conftest import REPO, DaemonProcess, LineClient
 
@@ -232,7 +235,8 @@ class TestBeginBeforeWrites:
             # for the begin's acknowledgement.
             with pytest.raises(AssertionError, match="no writer_setup"):
                 job.wait_line("writer_setup", timeout=3.0, step=2)
-            assert not (root / "tmp_step_2").exists()
+            # The directory exists (the save call returned), and nothing is in it.
+            assert list((root / "tmp_step_2").iterdir()) == []
         finally:
             daemon.proc.send_signal(signal.SIGCONT)
         for rank in range(2):
@@ -275,3 +279,116 @@ class TestRankDeath:
         assert os.readlink(root / "latest") == "step_2"
         _assert_loads(root / "step_2", 2, 2)
         assert not (root / "step_1").exists()
+
+
+class TestRefusedBeginWritesNothing:
+    """A begin the daemon refuses fails the DCP save on every rank before any write."""
+
+    @pytest.mark.parametrize("mode", ["plain", "handle", "track"])
+    def test_step_already_promoted(
+        self,
+        daemon_factory: Callable[..., DaemonProcess],
+        jobs: Callable[..., Job],
+        root: Path,
+        short_dir: Path,
+        mode: str,
+    ) -> None:
+        # Step 1 is saved and promoted; then the job saves step 1 again (a job resumed
+        # from an older checkpoint, say): every rank's begin is refused.
+        gate = short_dir / "gate"
+        os.mkfifo(gate)
+        daemon = daemon_factory([root])
+        job = jobs(
+            daemon, root, 2, "--mode", mode, "--steps", "1,1", "--wait-promoted",
+            "--gate", str(gate),
+        )  # fmt: skip
+        for rank in range(2):
+            first = job.wait_line("save_returned", rank=rank, step=1)
+            assert first["exists"], first  # the directory exists when the save returns
+        assert job.wait_line("settled", step=1)["state"] == "promoted"
+        for rank in range(2):
+            job.wait_line("held", rank=rank, at="save1")
+        before = snapshot(root / "step_1")
+        assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(before)
+        _release(gate)
+        for rank in range(2):
+            outcome = job.wait_line("upload_done", rank=rank, save=1)
+            assert not outcome["ok"]  # the save failed on this rank...
+            assert "SaveRefused" in outcome["error"] and "already_promoted" in outcome["error"]
+            if mode != "plain":
+                assert outcome["refusal"] == "already_promoted"  # ...and its handle says why
+        assert job.wait() == [0, 0]
+        # Nothing of the refused save was written, in the checkpoint or beside it.
+        assert snapshot(root / "step_1") == before
+        assert not [p for p in root.glob("tmp_step_1/**/*") if p.is_file()]
+        _assert_loads(root / "step_1", 2, 1)
+        assert main(["verify", str(root / "step_1")]) == 0
+        events = daemon.drain()
+        assert not [e for e in events if e["event"] == "checkpoint.failed"]
+        assert [e["step"] for e in events if e["event"] == "save.rank_done"] == [1, 1]
+
+    def test_other_saves_shards_are_not_truncated(
+        self,
+        daemon_factory: Callable[..., DaemonProcess],
+        jobs: Callable[..., Job],
+        root: Path,
+    ) -> None:
+        # Another run of the job (3 ranks) is writing step 2; this one (2 ranks) must not
+        # touch its files: the daemon refuses its begins with world_size_mismatch.
+        daemon = daemon_factory([root])
+        shard = root / "tmp_step_2" / "__0_0.distcp"
+        with LineClient(daemon.socket_path) as other:
+            reply = other.request("begin", root=str(root), step=2, rank=0, world_size=3)
+            assert reply["ok"], reply
+            shard.parent.mkdir(exist_ok=True)
+            shard.write_bytes(b"another run's shard" * 1000)
+            before = snapshot(shard.parent)
+            job = jobs(daemon, root, 2, "--mode", "handle", "--steps", "2")
+            for rank in range(2):
+                outcome = job.wait_line("upload_done", rank=rank, save=0)
+                assert not outcome["ok"] and outcome["refusal"] == "world_size_mismatch"
+            assert job.wait() == [0, 0]
+            assert snapshot(shard.parent) == before
+            status = other.request("status", root=str(root))
+        (save,) = [s for s in status["saves"] if s["step"] == 2]
+        assert save["state"] == "open" and save["world_size"] == 3  # the other run's, intact
+
+
+class TestPathOnReturn:
+    """The step's directory exists when ``orchestrator.async_save`` returns."""
+
+    def test_daemon_up(
+        self, daemon_factory: Callable[..., DaemonProcess], jobs: Callable[..., Job], root: Path
+    ) -> None:
+        daemon = daemon_factory([root])
+        steps = ",".join(str(s) for s in range(1, 21))
+        job = jobs(daemon, root, 2, "--plain", "--steps", steps, "--numel", "256")
+        assert job.wait(180) == [0, 0]
+        returned = [
+            job.wait_line("save_returned", rank=r, step=s) for r in (0, 1) for s in range(1, 21)
+        ]
+        assert [line["exists"] for line in returned] == [True] * 40
+
+    def test_daemon_down_with_a_layout_file(
+        self, jobs: Callable[..., Job], root: Path, short_dir: Path
+    ) -> None:
+        info = {
+            "path": str(root),
+            "tmp_prefix": "incoming-",
+            "final_prefix": "step_",
+            "pointer": "latest",
+        }
+        (root / LAYOUT_FILE).write_text(json.dumps(info))
+        nobody = DaemonProcess(short_dir / "nobody.sock", [root])  # never started
+        steps = ",".join(str(s) for s in range(1, 21))
+        job = jobs(nobody, root, 2, "--plain", "--steps", steps, "--numel", "256")
+        assert job.wait(180) == [0, 0]
+        returned = [
+            job.wait_line("save_returned", rank=r, step=s) for r in (0, 1) for s in range(1, 21)
+        ]
+        assert [line["exists"] for line in returned] == [True] * 40
+        assert {line["path"] for line in returned} == {
+            str(root / f"incoming-{s}") for s in range(1, 21)
+        }
+        assert not list(root.glob("tmp_step_*"))
+        _assert_loads(root / "incoming-20", 2, 20, numel=256)

@@ -237,6 +237,9 @@ class AutomodelCheckpointManager:
                 open for :meth:`add_files` until :meth:`seal`.
 
         Raises:
+            SaveRefused: with the daemon, it refused the step's ``begin`` on some rank
+                (e.g. ``already_promoted``): raised on every rank, before anything of
+                the save is written.
             ValueError: with the daemon, ``optimizer_path`` or ``tokenizer_path`` is not
                 inside the step's tmp directory, or the daemon writes the step elsewhere.
             BaseException: whatever the Checkpointer raises, including the previous

@@ -20,9 +20,10 @@ from typing import Any, Final
 import torch.distributed as dist
 from nemo_automodel.components.checkpoint._backports.filesystem import SerializationFormat
 
-from .._client import CheckpointClient, default_socket_path
+from .._client import CheckpointClient
+from .._errors import SaveRefused
 from .._tracking import SaveHandle, describe
-from ..protocol import FileEntry
+from ..protocol import FileEntry, default_socket_path
 from ._lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from ._steps import (
     StepLocation,
@@ -113,13 +114,22 @@ class StepTracker:
     ) -> TrackedStep | None:
         """Register this rank's save of the step ``weights_path`` is in.
 
+        Collective when more than one rank runs: the ranks exchange the daemon's answers
+        (one ``all_gather_object``), so that a ``begin`` the daemon refused on any rank
+        stops the save on every rank before the Checkpointer writes anything (it writes
+        metadata, scripts and adapters before DCP runs, so failing DCP's plan would be
+        too late). Ranks the daemon acknowledged report the step failed.
+
         Returns:
             The tracked step, or None when ``weights_path`` is not in a step directory.
 
         Raises:
+            SaveRefused: the daemon refused the ``begin`` of some rank (on every rank).
             ValueError: a path is outside the step, or the daemon writes it elsewhere.
         """
         location = locate_step(weights_path, self.tmp_prefix)
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        handle = None
         if location is None:
             logger.warning(
                 "ckptd: %s is not inside a %sN directory; this save is not tracked and "
@@ -127,12 +137,19 @@ class StepTracker:
                 weights_path,
                 self.tmp_prefix,
             )
+        else:
+            for path in (weights_path, optimizer_path, tokenizer_path):
+                if path:
+                    location.relative(path)
+            handle = self.client.save(location.root, location.step, rank, world)
+        refused = _refusals(handle, rank, world)
+        if refused:
+            mine = [error for error in refused if error.rank == rank]
+            if handle is not None:  # if acknowledged here, the step can never complete
+                handle.fail(f"the save stopped on every rank: {refused[0]}")
+            raise (mine or refused)[0]
+        if location is None or handle is None:
             return None
-        for path in (weights_path, optimizer_path, tokenizer_path):
-            if path:
-                location.relative(path)
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        handle = self.client.save(location.root, location.step, rank, world)
         if handle.begun.acknowledged and os.path.abspath(handle.path) != location.tmp_dir:
             handle.fail(f"the trainer writes {location.tmp_dir}, not {handle.path}")
             raise ValueError(
@@ -238,6 +255,20 @@ class StepTracker:
                 f"{self.open.location.step}"
             )
             self.open = None
+
+
+def _refusals(handle: SaveHandle | None, rank: int, world: int) -> list[SaveRefused]:
+    """Every rank's refused ``begin``, in rank order (a collective when distributed)."""
+    mine = None
+    if handle is not None and (refusal := handle.refusal) is not None:
+        mine = SaveRefused(
+            refusal.code, refusal.message, root=handle.root, step=handle.step, rank=rank
+        )
+    if world == 1 or not dist.is_initialized():
+        return [] if mine is None else [mine]
+    votes: list[Any] = [None] * world
+    dist.all_gather_object(votes, mine)
+    return [vote for vote in votes if isinstance(vote, SaveRefused)]
 
 
 def _then_report(

@@ -10,6 +10,8 @@ on stdout. Scenarios:
 - ``loop``: a NeMo-RL training loop saving every step into ``ROOT/tmp_step_N`` for the
   daemon to promote. FIFO gates (``--gate-dir``, one FIFO per rank) let the test hold a
   rank before a step (to freeze its upload process) or before the caller's last file.
+- ``refused``: step 1 saved and promoted, then (after a gate) saved again, which the
+  daemon refuses.
 
 Async uploads run in a process spawned from this file, so everything runs under
 ``if __name__ == "__main__"`` and heavy imports stay inside functions.
@@ -377,6 +379,48 @@ def loop(job: Job) -> None:
     say(event="finished", rank=job.rank)
 
 
+def refused(job: Job) -> None:
+    """Step 1 saved and promoted, then saved again: every rank is refused, nothing written."""
+    import torch
+
+    from orchestrator import SaveRefused, default_client
+    from tests.automodel._models import tiny_llama, tiny_tokenizer, train_step
+
+    args = job.args
+    manager = job.manager(
+        {"model_save_format": "torch_save", "save_consolidated": False}, is_async=True
+    )
+    say(event="ready", rank=job.rank, uses_daemon=manager.uses_daemon)
+    model = tiny_llama(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokenizer = tiny_tokenizer()
+    for again in (False, True):
+        if again:
+            gate(args.gate_dir, job.rank, "before_again")
+        train_step(model, optimizer, seed=1)
+        policy = os.path.join(job.init_tmp_checkpoint(1, {"step": 1, "again": again}), "policy")
+        try:
+            manager.save_checkpoint(
+                model,
+                os.path.join(policy, "weights"),
+                optimizer,
+                os.path.join(policy, "optimizer"),
+                None,
+                tokenizer,
+                os.path.join(policy, "tokenizer"),
+                is_final_checkpoint=False,
+            )
+        except SaveRefused as exc:
+            say(event="refused", rank=job.rank, code=exc.code, error=str(exc))
+        else:
+            say(event="saved", rank=job.rank, again=again)
+        manager.finalize_async_save()
+        if not again and job.rank == 0:
+            say(event="settled", state=default_client().wait(job.root, 1, 60.0).state)
+        job.barrier()
+    manager.close()
+
+
 def final_save(job: Job, model: Any, optimizer: Any, scheduler: Any) -> None:
     """The run's final checkpoint: safetensors, consolidated to HF format after upload."""
     step = job.args.final_step
@@ -403,7 +447,7 @@ def final_save(job: Job, model: Any, optimizer: Any, scheduler: Any) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["roundtrip", "loop"])
+    parser.add_argument("scenario", choices=["roundtrip", "loop", "refused"])
     parser.add_argument("--root", required=True)
     parser.add_argument("--side", default="", help="directory for reference tensors")
     parser.add_argument("--format", default="torch_save")
@@ -419,6 +463,8 @@ def main() -> None:
         roundtrip(job)
         lora(job)
         dtypes(job)
+    elif args.scenario == "refused":
+        refused(job)
     else:
         loop(job)
     import torch.distributed as dist

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from daemon.cli import main as ckptd
+from tests._files import snapshot
 from tests.automodel.conftest import RankJob, release
 from tests.conftest import DaemonProcess, LineClient
 
@@ -212,3 +213,40 @@ class TestRankKilled:
         assert os.readlink(root / "latest") == "step_1"
         assert _state(daemon, root, 2) == "failed"
         _assert_model_loads(root / "step_1", side, 1)
+
+
+class TestRefusedBegin:
+    """A save the daemon refuses stops on every rank before the Checkpointer writes."""
+
+    def test_save_of_a_promoted_step_writes_nothing(
+        self,
+        daemon_factory: Callable[..., DaemonProcess],
+        rank_jobs: Callable[..., RankJob],
+        root: Path,
+        short_dir: Path,
+    ) -> None:
+        gates = _gates(short_dir)
+        daemon = daemon_factory([root])
+        job = rank_jobs(
+            "refused", "--root", str(root), "--gate-dir", str(gates),
+            socket_path=daemon.socket_path,
+        )  # fmt: skip
+        assert job.wait_line("settled", timeout=120)["state"] == "promoted"
+        for rank in (0, 1):
+            job.wait_line("held", rank=rank, at="before_again")
+        before = snapshot(root / "step_1")
+        assert "policy/weights/model/.metadata" in before
+        for rank in (0, 1):
+            release(gates / f"gate{rank}")
+        for rank in (0, 1):
+            refused = job.wait_line("refused", rank=rank)
+            assert refused["code"] == "already_promoted", refused
+        assert job.wait() == [0, 0]
+        assert snapshot(root / "step_1") == before
+        # Only what the driver wrote before the save (NeMo-RL's own files) is there.
+        assert sorted(p.name for p in (root / "tmp_step_1").iterdir()) == [
+            "config.yaml",
+            "training_info.json",
+        ]
+        assert ckptd(["verify", str(root / "step_1")]) == 0
+        assert not [e for e in daemon.drain() if e["event"] == "checkpoint.failed"]
