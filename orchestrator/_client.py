@@ -337,8 +337,8 @@ class CheckpointClient:
         A save never sealed cannot finish: it is reported failed at once, with a
         warning. Sealed saves still uploading are waited for (see :meth:`wait_saves`)
         up to ``timeout``; those still in flight then are reported failed (nothing
-        could report them later), with a warning. Then, while the daemon is reachable,
-        the client waits for its acknowledgements (at most 5 s). Every wait is bounded
+        could report them later), with a warning. Then the client waits for the daemon's
+        acknowledgements, reconnecting if it must (at most 5 s). Every wait is bounded
         unless ``timeout`` is None.
 
         Args:
@@ -373,8 +373,9 @@ class CheckpointClient:
                     f"the client was closed with the upload of step {handle.step} still in "
                     f"flight after {timeout}s"
                 )
-        if self.connected:
-            self.flush(5.0)
+        # Also while reconnecting: a daemon that restarted just before this process
+        # exits still gets the last reports (and a daemon that is down costs 5 s here).
+        self.flush(5.0)
         self._channel.close()
 
     def __enter__(self) -> CheckpointClient:

@@ -104,6 +104,37 @@ class TestAttemptSent:
         assert handle.attempt == (save.get("attempt") or None)
 
 
+class TestStaleReports:
+    """Against the real daemon: a report of a replaced attempt never counts for its successor."""
+
+    def test_a_late_done_of_a_failed_attempt_is_refused(
+        self, daemon_factory: Callable[..., DaemonProcess], root: Path
+    ) -> None:
+        daemon = daemon_factory([root])
+        sock = str(daemon.socket_path)
+        with CheckpointClient(sock, begin_timeout=10.0) as old:
+            late = old.save(str(root), 7, 0, 2)
+            with LineClient(daemon.socket_path) as rank1:  # the old job's other rank fails
+                assert rank1.request("begin", root=str(root), step=7, rank=1, world_size=2)["ok"]
+                reply = rank1.request("fail", root=str(root), step=7, rank=1, reason="x")
+                assert reply["ok"]
+            daemon.wait_event("checkpoint.failed")
+            with CheckpointClient(sock, begin_timeout=10.0) as new:  # the resumed job
+                current = new.save(str(root), 7, 0, 2)
+                assert current.attempt and current.attempt != late.attempt
+                # The old job's rank 0, woken late, reports its upload done.
+                late.add_files([FileEntry("w.bin", 1)])
+                late.seal()
+                assert old.flush(30.0)
+                status = new.call(p.Status(id=0, root=str(root)))
+                (save,) = [s for s in status["saves"] if s["step"] == 7]
+                assert save["attempt"] == current.attempt
+                assert [(r["rank"], r["state"]) for r in save["ranks"]] == [(0, "writing")]
+                current.seal()
+        stale = daemon.wait_event("request.rejected", match=lambda e: e["code"] == "stale_attempt")
+        assert late.attempt in stale["message"]
+
+
 class TestRefusedBegin:
     """A refused save is exposed on its handle and reports neither done nor fail."""
 

@@ -67,6 +67,24 @@ class TestClose:
         assert "still in flight after 0.5s" in failed["reason"]
         assert any("still in flight" in r.getMessage() for r in caplog.records)
 
+    def test_reports_reach_a_daemon_restarted_during_close(
+        self, daemon_factory: Callable[..., DaemonProcess], root: Path
+    ) -> None:
+        daemon = daemon_factory([root])
+        client = CheckpointClient(str(daemon.socket_path), begin_timeout=10.0)
+        handle = client.save(str(root), 3, 0, 1)
+        assert handle.begun.acknowledged
+        daemon.kill()
+        handle.seal()  # its done cannot be sent now: the daemon is down
+        closer = threading.Thread(target=client.close, daemon=True)
+        closer.start()  # the process is exiting while its daemon restarts
+        restarted = daemon_factory([root])
+        closer.join(30.0)
+        assert not closer.is_alive()
+        with LineClient(restarted.socket_path) as check:
+            reply = check.request("wait", root=str(root), step=3, timeout=30)
+        assert reply["state"] == "promoted", reply
+
 
 class _BrokenMetadata:
     """A save result whose shard listing raises when read."""
