@@ -87,7 +87,11 @@ def scan_save(
         for name in (*filenames, *dirnames):
             path = os.path.join(dirpath, name)
             rel = os.path.normpath(os.path.join(rel_dir, name))
-            st = os.lstat(path)
+            try:
+                st = os.lstat(path)
+            except OSError as exc:  # removed or replaced while the save is scanned
+                problems.append(f"{rel}: changed during verification ({exc.strerror})")
+                continue
             if stat.S_ISLNK(st.st_mode):
                 if not _inside(os.path.realpath(path), real_tmp):
                     problems.append(f"{rel}: symlink to {os.readlink(path)!r} leaves the save")
