@@ -319,6 +319,21 @@ class Daemon:
             raise RequestError(p.ErrorCode.SHUTTING_DOWN, "the daemon is stopping")
         key = SaveKey(root.path, request.step)
         known = self.ledger.get(key)
+        if (
+            known is not None
+            and known.state is p.SaveState.PROMOTED
+            and not request.resent
+            and request.attempt is None
+        ):
+            final = root.final_dir(request.step)
+            if not await self.lanes.run(root.path, os.path.lexists, final, abandon=True):
+                # Promoted once, then deleted by hand: the step may be saved afresh.
+                self.ledger.forget(key)
+                await self.commit([])
+                self.events.emit(
+                    "checkpoint.gone", "warning", root=root.path, step=key.step, path=final
+                )
+                known = self.ledger.get(key)
         if known is None or self.ledger.starts_new_attempt(
             key, conn, resent=request.resent, attempt=request.attempt
         ):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -246,3 +247,25 @@ class TestNoWriterPastOpen:
                 assert again["error"]["code"] == "already_promoted"
             assert (root / "step_5" / "shard").read_bytes() == b"verified"
             daemon.stop()
+
+
+class TestDeletedCheckpoint:
+    """A promoted step deleted by hand may be saved afresh; one still on disk never."""
+
+    def test_saved_again_once_its_directory_is_gone(
+        self, daemon_factory: Factory, root: Path
+    ) -> None:
+        daemon = daemon_factory([root])
+        for expected in ("promoted", "promoted"):
+            with LineClient(daemon.socket_path) as rank:
+                reply = _begin(rank, root, 3)
+                assert reply["ok"], reply
+                shard = _entry(root / "tmp_step_3", "shard", b"x")
+                rank.request("done", root=str(root), step=3, rank=0, files=[shard])
+                state = rank.request("wait", root=str(root), step=3, timeout=TIMEOUT)["state"]
+                assert state == expected
+                # Still on disk: refused, whoever asks.
+                assert _begin(rank, root, 3)["error"]["code"] == "already_promoted"
+            shutil.rmtree(root / "step_3")  # an operator deletes the checkpoint
+        gone = daemon.wait_event("checkpoint.gone")
+        assert (gone["step"], gone["path"]) == (3, str(root / "step_3"))
