@@ -98,21 +98,19 @@ class RecordingWriter(FileSystemWriter):
             hold(self._gate, self._rank, "write")
         try:
             future = super().write_data(plan, planner)
-            results = future.wait()
+            self._wrote(sorted({r.storage_data.relative_path for r in future.wait()}))
         except BaseException as exc:
             self._failed("write_data", exc)
             raise
-        names = sorted({r.storage_data.relative_path for r in results})
-        self._wrote(names)
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         try:
             super().finish(metadata, results)
+            self._wrote([".metadata"])
         except BaseException as exc:
             self._failed("finish", exc)
             raise
-        self._wrote([".metadata"])
 
     def _wrote(self, names: list[str]) -> None:
         where = str(self.path)

@@ -230,15 +230,18 @@ def frozen_rank(workdir: Path) -> Outcome:
         "is reported",
     )
     checks = Checks(out)
-    gate = workdir / "gate"
+    gate, start = workdir / "gate", workdir / "start"
     os.mkfifo(gate)
+    os.mkfifo(start)
     config = workdir / "ckptd.toml"
     config.write_text("save_timeout = 4\n")
     with serving(workdir, "--lease", "1", "--config", str(config)) as (daemon, root):
         args = ("--steps", "1", "--hold-rank", "1", "--hold-step", "1", "--hold-gate", str(gate))
-        with job(daemon, root, 1, *args) as frozen:
+        # The next job starts now and waits before its save: its start-up overlaps the wait.
+        ready = ("--steps", "1", "--pause-before", "1", "--gate", str(start))
+        with job(daemon, root, 1, *args) as frozen, job(daemon, root, 2, *ready) as again:
             _held_mid_upload(frozen, 1)
-            frozen.signal(1, signal.SIGSTOP)
+            frozen.freeze(1)
             release(gate)  # taken up only once the rank runs again
             failed = daemon.wait_event("checkpoint.failed", timeout=60, match=is_step(1))
             settled = wait_settled(daemon, root, 1)
@@ -248,8 +251,9 @@ def frozen_rank(workdir: Path) -> Outcome:
             checks.expect(settled["state"] == "failed", f"wait on step 1: {settled}")
             trashed = in_trash(root, 1, dead_attempt)
             checks.expect(trashed == dead, f"trash {sorted(trashed)}, stopped job {sorted(dead)}")
-            with job(daemon, root, 2, "--steps", "1") as again:
-                codes = again.wait(180)
+            again.wait_line("held", rank=0, at="step1", timeout=120)
+            release(start)
+            codes = again.wait(180)
             checks.expect(codes == [0, 0], f"the new job exited {codes}: {again.output()}")
             fresh = written(again.drain(), step=1, job=2)
             promoted = wait_settled(daemon, root, 1)
@@ -305,8 +309,11 @@ def _late_writes(log: list[dict[str, Any]], root: Path, around: set[str]) -> str
     failed = [x for x in log if x.get("event") == "write_failed"]
     wrote = [x for x in log if x.get("event") == "wrote" and x["rank"] == 1]
     new = sorted(p for p in tree(root) if not p.startswith("step_1/") and p not in around)
-    parts = [f"{x['stage']} failed: {x['error'][:90]}" for x in failed]
-    parts += [f"wrote {sorted(x['files'])} into {x['dir']}" for x in wrote]
+    parts = [
+        f"{x['stage']} by path into {os.path.relpath(x['dir'], root)} failed: {x['error'][:80]}"
+        for x in failed
+    ]
+    parts += [f"wrote {sorted(x['files'])} into {os.path.relpath(x['dir'], root)}" for x in wrote]
     parts.append(f"new files in the root: {new or 'none'}")
     return "; ".join(parts)
 

@@ -10,22 +10,15 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
-from typing import Any
 
 import pytest
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from tests.conftest import LineClient
-from tests.faults._attempt_common import (
-    PRE_BEGIN,
-    is_step,
-    job,
-    serving,
-    wait_settled,
-    written,
-)
+from tests.faults._attempt_common import NUMEL, PRE_BEGIN, serving, wait_settled
+from tests.faults._attempt_worker import job_state
 from tests.faults._inotify import Appearance
 from tests.faults.attempts import SCENARIOS
-from tests.faults.harness import FaultDaemon
 from tests.faults.race import rescue_race
 
 
@@ -57,38 +50,37 @@ class TestRescueRestoresIntoTheSharedPath:
     )
     def test_file_written_during_the_rescue_is_not_promoted(self, short_dir: Path) -> None:
         with serving(short_dir) as (daemon, root):
-            with job(daemon, root, 1, "--steps", "1", "--fail-steps", "1") as failing:
-                assert failing.wait(180) == [0, 0], failing.output()
-            daemon.wait_event("checkpoint.failed", timeout=60, match=is_step(1))
-            assert wait_settled(daemon, root, 1)["state"] == "failed"
-            dead = written(failing.drain(), step=1, job=1)
+            with LineClient(daemon.socket_path) as client:
+                # A one-rank trainer writes step 1 with a real DCP save, then fails.
+                begun = client.request("begin", root=str(root), step=1, rank=0, world_size=1)
+                state = job_state(0, 1, NUMEL, 1)
+                dcp_save(state, checkpoint_id=begun["path"], no_dist=True)
+                client.request("fail", root=str(root), step=1, rank=0, reason="after writing")
+                settled = wait_settled(daemon, root, 1)
+                assert settled.get("state") == "failed", settled
             # A resumed NeMo-RL trainer saving step 1 again writes training_info.json into
-            # tmp_step_1, then begins. Here it does so the instant tmp_step_1 reappears.
-            late: dict[str, Any] = {}
+            # tmp_step_1 before it begins; here, the instant tmp_step_1 reappears.
             watch = Appearance(str(root), "tmp_step_1")
-            trainer = threading.Thread(target=_resumed_trainer, args=(watch, daemon, root, late))
+            trainer = threading.Thread(target=_pre_begin_write, args=(watch, root))
             trainer.start()
             try:
                 rescue = daemon.request("promote", root=str(root), step=1, timeout=60)
             finally:
                 trainer.join(90)
                 watch.close()
-        assert rescue["state"] == "promoted", rescue
-        assert late.get("begin", {}).get("ok") is False, late  # the new job was refused
+            with LineClient(daemon.socket_path) as client:  # the trainer's begin, refused
+                late = client.request("begin", root=str(root), step=1, rank=0, world_size=1)
+        assert rescue.get("state") == "promoted", rescue
+        assert late["ok"] is False and late["error"]["code"] == "already_promoted", late
         if (root / "tmp_step_1").exists():
             pytest.skip("the trainer's write came after the rename: nothing to judge")
         promoted = sorted(os.listdir(root / "step_1"))
-        assert PRE_BEGIN not in promoted, f"step_1 holds {promoted}; the attempt wrote {dead}"
+        assert PRE_BEGIN not in promoted, f"step_1 holds {promoted}"
 
 
-def _resumed_trainer(
-    watch: Appearance, daemon: FaultDaemon, root: Path, late: dict[str, Any]
-) -> None:
-    """Write the pre-begin file by path once ``tmp_step_1`` appears, then begin step 1."""
-    if not watch.wait(60):
-        return
-    tmp = root / "tmp_step_1"
-    tmp.mkdir(exist_ok=True)  # as the trainer does: it does not know the directory is there
-    (tmp / PRE_BEGIN).write_bytes(b'{"job": 2, "step": 1}')
-    with LineClient(daemon.socket_path) as client:
-        late["begin"] = client.request("begin", root=str(root), step=1, rank=0, world_size=2)
+def _pre_begin_write(watch: Appearance, root: Path) -> None:
+    """Write the pre-begin file by path once ``tmp_step_1`` appears, as a trainer does."""
+    if watch.wait(60):
+        tmp = root / "tmp_step_1"
+        tmp.mkdir(exist_ok=True)  # the trainer does not know whether it is there
+        (tmp / PRE_BEGIN).write_bytes(b'{"job": 2, "step": 1}')
