@@ -39,32 +39,20 @@ from tests.faults._attempt_common import (
     PRE_BEGIN,
     Checks,
     check_promoted_attempt,
-    conns_of,
+    held_mid_upload,
     in_trash,
     is_step,
     job,
     promoted_once,
     serving,
-    tree,
     wait_settled,
     written,
 )
-from tests.faults.harness import FaultDaemon, Outcome, Ranks, Result, release, run_scenarios
+from tests.faults.frozen import frozen_rank, woken_during_retry
+from tests.faults.harness import FaultDaemon, Outcome, Result, run_scenarios
 from tests.faults.race import RACE, rescue_race
 
-__all__ = ["SCENARIOS", "frozen_rank", "journal_lost", "killed_and_resaved", "run_attempt_faults"]
-
-# What a late report of a replaced attempt may be answered with: refused, whichever
-# check the daemon reaches first (a client naming its attempt gets stale_attempt).
-_LATE_REFUSALS = frozenset(
-    {"stale_attempt", "step_failed", "already_promoted", "invalid_state", "not_begun"}
-)
-
-
-def _held_mid_upload(ranks: Ranks, step: int) -> None:
-    """Wait until rank 1 is held before its shards and rank 0 has written its own."""
-    ranks.wait_line("held", rank=1, at="write", timeout=120)
-    ranks.wait_line("wrote", rank=0, step=step, pre_begin=None, timeout=120)
+__all__ = ["SCENARIOS", "journal_lost", "killed_and_resaved", "run_attempt_faults"]
 
 
 def _promoted_before(daemon: FaultDaemon, root: Path, step: int, checks: Checks) -> None:
@@ -89,7 +77,7 @@ def killed_and_resaved(workdir: Path) -> Outcome:
         args = ["--steps", "1,2", "--pre-begin", PRE_BEGIN, "--hold-rank", "1"]
         args += ["--hold-step", "2", "--hold-gate", str(gate)]
         with job(daemon, root, 1, *args) as first:
-            _held_mid_upload(first, 2)
+            held_mid_upload(first, 2)
             _promoted_before(daemon, root, 1, checks)
             for rank in (0, 1):
                 first.signal(rank, signal.SIGKILL)
@@ -150,7 +138,7 @@ def journal_lost(workdir: Path) -> Outcome:
         args = ["--steps", "1,2", "--pre-begin", PRE_BEGIN, "--hold-rank", "1"]
         args += ["--hold-step", "2", "--hold-gate", str(gate)]
         with job(first_daemon, root, 1, *args) as first:
-            _held_mid_upload(first, 2)
+            held_mid_upload(first, 2)
             _promoted_before(first_daemon, root, 1, checks)
             begun = first_daemon.wait_event("save.begun", timeout=30, match=is_step(2))
             first_daemon.reap(signal.SIGKILL)  # the node goes down mid-step...
@@ -219,109 +207,11 @@ def _requeued(
     )
 
 
-def frozen_rank(workdir: Path) -> Outcome:
-    """A rank SIGSTOPped past ``save_timeout``; a new attempt promotes; then SIGCONT."""
-    out = Outcome(
-        "rank SIGSTOPped mid-upload past save_timeout, the step saved again, then SIGCONT",
-        "step 1 fails (timed out) while the rank is stopped and its directory is set "
-        "aside; a new job's attempt is promoted with exactly its files; after SIGCONT the "
-        "stopped job's late reports are refused and step_1 is unchanged (names, sizes, "
-        "SHA-256); guarantees 4a's limit: a woken writer writes by path, where it lands "
-        "is reported",
-    )
-    checks = Checks(out)
-    gate, start = workdir / "gate", workdir / "start"
-    os.mkfifo(gate)
-    os.mkfifo(start)
-    config = workdir / "ckptd.toml"
-    config.write_text("save_timeout = 4\n")
-    with serving(workdir, "--lease", "1", "--config", str(config)) as (daemon, root):
-        args = ("--steps", "1", "--hold-rank", "1", "--hold-step", "1", "--hold-gate", str(gate))
-        # The next job starts now and waits before its save: its start-up overlaps the wait.
-        ready = ("--steps", "1", "--pause-before", "1", "--gate", str(start))
-        with job(daemon, root, 1, *args) as frozen, job(daemon, root, 2, *ready) as again:
-            _held_mid_upload(frozen, 1)
-            frozen.freeze(1)
-            release(gate)  # taken up only once the rank runs again
-            failed = daemon.wait_event("checkpoint.failed", timeout=60, match=is_step(1))
-            settled = wait_settled(daemon, root, 1)
-            dead = written(frozen.drain(), step=1, job=1)
-            dead_attempt = str(failed.get("attempt"))
-            checks.expect("timed out" in failed["reason"], f"step 1 failed: {failed['reason']}")
-            checks.expect(settled["state"] == "failed", f"wait on step 1: {settled}")
-            trashed = in_trash(root, 1, dead_attempt)
-            checks.expect(trashed == dead, f"trash {sorted(trashed)}, stopped job {sorted(dead)}")
-            again.wait_line("held", rank=0, at="step1", timeout=120)
-            release(start)
-            codes = again.wait(180)
-            checks.expect(codes == [0, 0], f"the new job exited {codes}: {again.output()}")
-            fresh = written(again.drain(), step=1, job=2)
-            promoted = wait_settled(daemon, root, 1)
-            checks.expect(promoted["state"] == "promoted", f"step 1: {promoted}")
-            attempt = check_promoted_attempt(
-                checks, daemon, root, 1, job=2, files=fresh, others={dead_attempt: dead}
-            )
-            before = tree(root / "step_1")
-            around = {p for p in tree(root) if not p.startswith("step_1/")}
-            mark = len(daemon.drain())
-            frozen.signal(1, signal.SIGCONT)
-            codes = frozen.wait(180)
-        log = frozen.drain()
-        after = tree(root / "step_1")
-        checks.expect(after == before, f"step_1 changed after SIGCONT: {_diff(before, after)}")
-        late = [e for e in daemon.drain()[mark:] if e["event"] == "request.rejected"]
-        mine = conns_of(daemon, [p.pid for p in frozen.procs])
-        refused = Counter(str(e["code"]) for e in late if e.get("conn") in mine)
-        reported = sum(1 for x in log if x.get("event") == "upload" and x["step"] == 1)
-        checks.expect(
-            sum(refused.values()) >= reported and set(refused) <= _LATE_REFUSALS,
-            f"late reports of the stopped job: {reported} uploads ended, refusals {dict(refused)}",
-        )
-        accepted = [
-            e
-            for e in daemon.drain()[mark:]
-            if e["event"] in ("save.rank_done", "save.rank_failed", "save.begun")
-        ]
-        checks.expect(not accepted, f"a late report of the stopped job changed state: {accepted}")
-        checks.expect(codes == [0, 0], f"the stopped job exited {codes}: {frozen.output()}")
-        state = daemon.request("status", root=str(root))["saves"]
-        now = [(s["state"], s.get("attempt")) for s in state if s["step"] == 1]
-        checks.expect(now == [("promoted", attempt)], f"step 1 after SIGCONT: {now}")
-        landed = _late_writes(log, root, around)
-        out.evidence["late_writes"] = landed
-        out.observed = (
-            f"step 1 {failed['reason'].split(';')[0]}; new attempt promoted; after SIGCONT: late "
-            f"reports refused {dict(refused)}; step_1 unchanged ({len(after)} files); the "
-            f"woken rank's writes: {landed}"
-        )
-    promoted_once(checks, daemon, [1])
-    return out
-
-
-def _diff(before: dict[str, Any], after: dict[str, Any]) -> str:
-    changed = sorted(k for k in before.keys() & after.keys() if before[k] != after[k])
-    added, gone = sorted(after.keys() - before.keys()), sorted(before.keys() - after.keys())
-    return f"added {added}, removed {gone}, changed {changed}"
-
-
-def _late_writes(log: list[dict[str, Any]], root: Path, around: set[str]) -> str:
-    """Where a woken rank's writes went: what it said, and what appeared in the root."""
-    failed = [x for x in log if x.get("event") == "write_failed"]
-    wrote = [x for x in log if x.get("event") == "wrote" and x["rank"] == 1]
-    new = sorted(p for p in tree(root) if not p.startswith("step_1/") and p not in around)
-    parts = [
-        f"{x['stage']} by path into {os.path.relpath(x['dir'], root)} failed: {x['error'][:80]}"
-        for x in failed
-    ]
-    parts += [f"wrote {sorted(x['files'])} into {os.path.relpath(x['dir'], root)}" for x in wrote]
-    parts.append(f"new files in the root: {new or 'none'}")
-    return "; ".join(parts)
-
-
 SCENARIOS: dict[str, Callable[[Path], Outcome]] = {
     "killed_and_resaved": killed_and_resaved,
     "journal_lost": journal_lost,
     "frozen_rank": frozen_rank,
+    "woken_during_retry": woken_during_retry,
 }
 """The attempt scenarios run once per round (the rescue race has its own trial count)."""
 
@@ -352,7 +242,9 @@ def run_attempt_faults(
     early = Counter(t["pre_begin"] for t in trials if t["pre_begin"] != "none")
     result.figures.update(
         {
-            "scenario runs (3 scenarios)": sum(o.name != RACE for o in result.outcomes),
+            f"scenario runs ({len(SCENARIOS)} scenarios)": sum(
+                o.name != RACE for o in result.outcomes
+            ),
             "rescue race trials": len(trials),
             "won by the rescue": winners["rescue"],
             "won by the new attempt": winners["new attempt"],
@@ -361,6 +253,9 @@ def run_attempt_faults(
                 Counter(t["rescue"] for t in trials if t["winner"] != "rescue")
             ),
             f"new job's {PRE_BEGIN} written before its begin": dict(early),
+            "runs showing a standing finding (Findings)": dict(
+                Counter(o.name for o in result.outcomes if o.evidence.get("findings"))
+            ),
         }
     )
     return result

@@ -201,6 +201,9 @@ class _Race:
         where = self._early_file(root, step, fresh, old, rescued=rescued)
         if where != "none":
             self.early[where] += 1
+        checks.finding(
+            where not in (MIXED, ASIDE), f"step {step}: the new job's {PRE_BEGIN} {where}"
+        )
         early = {k: v for k, v in fresh.items() if k == PRE_BEGIN}
         if rescued:
             self.winners["rescue"] += 1
