@@ -15,13 +15,14 @@ different bytes under the same names and ``dcp.load`` tells whose a checkpoint h
   writing NeMo-RL's ``training_info.json`` into ``tmp_step_N`` before its ``begin``.
 - :func:`journal_lost`: the daemon is SIGKILLed mid-step and restarted on an empty state
   directory (a Slurm prolog clearing it on requeue); the requeued job saves N again.
-- :func:`frozen_rank`: a rank is SIGSTOPped mid-upload past ``save_timeout``; a new job
-  saves N and is promoted; then the frozen rank is continued.
-- :func:`rescue_race`: many trials of ``ckptd promote`` of a failed, complete step
-  racing a new job's ``begin`` of the same step (seeded timing shifts).
+- :func:`~tests.faults.frozen.frozen_rank`: a rank is SIGSTOPped mid-upload past
+  ``save_timeout``; a new job saves N and is promoted; then the frozen rank is continued.
+- :func:`~tests.faults.frozen.woken_during_retry`: the same, the frozen rank continued
+  while the new attempt is still being written.
+- :func:`~tests.faults.race.rescue_race`: many trials of ``ckptd promote`` of a failed,
+  complete step racing a new job's ``begin`` of the same step (seeded timing shifts).
 
-The rescue race is :mod:`tests.faults.race`; what every scenario checks is
-:mod:`tests.faults._attempt_common`.
+What every scenario checks is in :mod:`tests.faults._attempt_common`.
 """
 
 from __future__ import annotations
