@@ -19,6 +19,8 @@ different bytes under the same names and ``dcp.load`` tells whose a checkpoint h
   ``save_timeout``; a new job saves N and is promoted; then the frozen rank is continued.
 - :func:`~tests.faults.frozen.woken_during_retry`: the same, the frozen rank continued
   while the new attempt is still being written.
+- :func:`refused_save`: a job saves a promoted step again; its refused save must write
+  nothing.
 - :func:`~tests.faults.race.rescue_race`: many trials of ``ckptd promote`` of a failed,
   complete step racing a new job's ``begin`` of the same step (seeded timing shifts).
 
@@ -46,14 +48,21 @@ from tests.faults._attempt_common import (
     job,
     promoted_once,
     serving,
+    tree,
     wait_settled,
     written,
 )
 from tests.faults.frozen import frozen_rank, woken_during_retry
-from tests.faults.harness import FaultDaemon, Outcome, Result, run_scenarios
+from tests.faults.harness import FaultDaemon, Outcome, Result, release, run_scenarios
 from tests.faults.race import RACE, rescue_race
 
-__all__ = ["SCENARIOS", "journal_lost", "killed_and_resaved", "run_attempt_faults"]
+__all__ = [
+    "SCENARIOS",
+    "journal_lost",
+    "killed_and_resaved",
+    "refused_save",
+    "run_attempt_faults",
+]
 
 
 def _promoted_before(daemon: FaultDaemon, root: Path, step: int, checks: Checks) -> None:
@@ -208,11 +217,58 @@ def _requeued(
     )
 
 
+def refused_save(workdir: Path) -> Outcome:
+    """A save whose ``begin`` is refused writes nothing (the client stops it)."""
+    out = Outcome(
+        "a job saves a promoted step again; its begin is refused",
+        "the begin gets already_promoted and the save stops before a byte is written "
+        "(guarantees 4a: the client's planner raises in DCP's planning step); step_1 "
+        "unchanged; no tmp_step_1 appears",
+    )
+    checks = Checks(out)
+    (gate,) = _fifos(workdir, "gate")
+    with serving(workdir) as (daemon, root):
+        args = ("--steps", "1,1", "--pause-before", "1", "--gate", str(gate))
+        with job(daemon, root, 1, *args) as again:
+            again.wait_line("held", rank=0, at="step1", timeout=120)
+            release(gate)
+            promoted = wait_settled(daemon, root, 1)
+            before = tree(root / "step_1")
+            again.wait_line("held", rank=0, at="step1", timeout=120)
+            release(gate)  # the same step once more, as a job restarted from step 0 would
+            codes = again.wait(180)
+        log = again.drain()
+        begins = [(x["rank"], x["acked"], x["code"]) for x in log if x.get("event") == "begun"]
+        checks.expect(promoted["state"] == "promoted", f"step 1: {promoted}")
+        checks.expect(
+            sorted(begins[2:]) == [(0, False, "already_promoted"), (1, False, "already_promoted")],
+            f"begins: {begins}",
+        )
+        checks.expect(tree(root / "step_1") == before, "step_1 changed")
+        checks.expect(codes == [0, 0], f"the job exited {codes}: {again.output()}")
+        stray = sorted(tree(root / "tmp_step_1")) if (root / "tmp_step_1").exists() else []
+        checks.finding(not stray, f"the refused save wrote tmp_step_1/{stray}")
+    promoted_once(checks, daemon, [1])
+    out.observed = (
+        f"begins refused ({', '.join(sorted({str(b[2]) for b in begins if b[2]}))}); "
+        f"step_1 unchanged; the refused save wrote {stray or 'nothing'}"
+    )
+    return out
+
+
+def _fifos(workdir: Path, *names: str) -> list[Path]:
+    paths = [workdir / n for n in names]
+    for path in paths:
+        os.mkfifo(path)
+    return paths
+
+
 SCENARIOS: dict[str, Callable[[Path], Outcome]] = {
     "killed_and_resaved": killed_and_resaved,
     "journal_lost": journal_lost,
     "frozen_rank": frozen_rank,
     "woken_during_retry": woken_during_retry,
+    "refused_save": refused_save,
 }
 """The attempt scenarios run once per round (the rescue race has its own trial count)."""
 

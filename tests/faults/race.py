@@ -209,8 +209,9 @@ class _Race:
             self.winners["rescue"] += 1
             files = {**dead, **(early if where == MIXED else {})}
             others = {"the refused job": {k: v for k, v in fresh.items() if k not in files}}
+            mixed = frozenset(early) if where == MIXED else frozenset()
             attempt = check_promoted_attempt(
-                checks, daemon, root, step, job=1, files=files, others=others
+                checks, daemon, root, step, job=1, files=files, others=others, found=mixed
             )
             checks.expect(attempt == old, f"step {step}: rescued, but the manifest names {attempt}")
         else:

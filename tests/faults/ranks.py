@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from daemon._attempts import TRASH
 from tests.conftest import REPO
 from tests.faults.harness import FaultDaemon, Outcome, Ranks, Result, release, run_scenarios
 
@@ -61,7 +62,7 @@ def sigkill_mid_upload(workdir: Path) -> Outcome:
     out = Outcome(
         "rank SIGKILLed mid-upload",
         "step fails (lease expired, or the surviving rank's upload failed); never promoted; "
-        "tmp dir kept; a new job's next step promotes",
+        "its directory kept, set aside into the root's trash; a new job's next step promotes",
     )
     gate = workdir / "gate"
     os.mkfifo(gate)
@@ -74,7 +75,15 @@ def sigkill_mid_upload(workdir: Path) -> Outcome:
         reason = failed["reason"]
         _expect(out, "lease" in reason or "rank 0 failed" in reason, f"reason: {reason}")
         _expect(out, not (root / "step_1").exists(), "step_1 promoted")
-        _expect(out, (root / "tmp_step_1").is_dir(), "tmp_step_1 not kept")
+        # A failed attempt's directory is kept where it was set aside (guarantees 4a).
+        aside = [p for p in (root / TRASH).glob("tmp_step_1.attempt-*") if p.is_dir()]
+        attempt = failed.get("attempt")
+        _expect(out, not (root / "tmp_step_1").exists(), "tmp_step_1 not set aside")
+        _expect(
+            out,
+            len(aside) == 1 and f".attempt-{attempt}-" in aside[0].name,
+            f"set aside: {aside}, failed attempt {attempt}",
+        )
         with _job(daemon, root, "--steps", "2") as again:
             _expect(out, again.wait() == [0, 0], f"second job failed: {again.output()}")
         state = _settled(daemon, root, 2, 60)["state"]

@@ -1,8 +1,9 @@
 """CI sample of the attempt faults: steps saved again after a death, a lost journal, a freeze.
 
 The same scenarios as the long run with small numbers: each attempt scenario once and a
-short rescue race. Two findings stand as strict xfails (docs/reliability.md, Findings):
-they raise :class:`FindingStands`, so any other failure of the same test still fails it.
+short rescue race. The findings that stand are strict xfails (docs/reliability.md,
+Findings): they raise :class:`FindingStands`, so any other failure of the same test still
+fails it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from tests.faults._attempt_common import NUMEL, PRE_BEGIN, serving, wait_settled
 from tests.faults._attempt_worker import job_state
 from tests.faults._inotify import Appearance
 from tests.faults.attempts import SCENARIOS
-from tests.faults.frozen import woken_during_retry
 from tests.faults.race import rescue_race
 
 
@@ -27,24 +27,33 @@ class FindingStands(Exception):
     """Raised when a scenario shows a finding of docs/reliability.md that is not fixed."""
 
 
+FINDINGS = {
+    "woken_during_retry": "the stopped job's late done is taken by the new attempt",
+    "refused_save": "a save whose begin was refused still writes its files",
+}
+"""Scenarios that show a standing finding (docs/reliability.md, Findings)."""
+
+SAMPLE = [
+    pytest.param(
+        name,
+        marks=pytest.mark.xfail(
+            strict=True, raises=FindingStands, reason=f"{FINDINGS[name]} (reliability.md)"
+        ),
+    )
+    if name in FINDINGS
+    else name
+    for name in sorted(SCENARIOS)
+]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 class TestAttemptScenarios:
     """A step saved again holds one attempt's files only (docs/guarantees.md, 4a)."""
 
-    @pytest.mark.parametrize("name", sorted(set(SCENARIOS) - {"woken_during_retry"}))
+    @pytest.mark.parametrize("name", SAMPLE)
     def test_scenario(self, short_dir: Path, name: str) -> None:
         outcome = SCENARIOS[name](short_dir)
-        assert outcome.violations == [], outcome.observed
-
-    @pytest.mark.xfail(
-        strict=True,
-        raises=FindingStands,
-        reason="the stopped job's late done is taken by the new attempt "
-        "(docs/reliability.md, Findings)",
-    )
-    def test_woken_during_retry(self, short_dir: Path) -> None:
-        outcome = woken_during_retry(short_dir)
         assert outcome.violations == [], outcome.observed
         if outcome.evidence.get("findings"):
             raise FindingStands(outcome.observed)
