@@ -42,8 +42,9 @@ __all__ = [
     "job",
     "promoted_once",
     "serving",
-    "wait_settled",
     "tree",
+    "wait_settled",
+    "whose_tensors",
     "written",
 ]
 

@@ -17,7 +17,8 @@ Options:
   say which step it was and a digest of what it held, as a resumed trainer does.
 - ``--pre-begin NAME``: before a step's ``begin``, rank 0 writes ``NAME`` into the
   step's tmp directory (NeMo-RL's ``training_info.json``); every rank begins after it.
-  ``--pre-begin-steps`` says before which steps (default ``all``).
+  ``--pre-begin-steps`` says before which steps (default ``all``). A write that fails
+  (the directory went away under it) is said (``write_failed``) and the step goes on.
 - ``--gate FIFO --pause-before STEPS``: rank 0 waits at the gate before each of those
   steps (``all``: every step), then every rank goes on together.
 - ``--hold-rank R --hold-step S --hold-gate FIFO``: rank R's storage writer waits at its
@@ -145,11 +146,15 @@ def _resume(client: orchestrator.CheckpointClient, args: argparse.Namespace, ran
 def _pre_begin(client: orchestrator.CheckpointClient, args: argparse.Namespace, step: int) -> None:
     """Rank 0 writes the step's pre-begin file into its tmp directory, before ``begin``."""
     tmp = client.step_path(args.root, step) or os.path.join(args.root, f"tmp_step_{step}")
-    os.makedirs(tmp, exist_ok=True)
-    path = os.path.join(tmp, args.pre_begin)
     data = json.dumps({"job": args.job, "step": step, "pid": os.getpid()}).encode()
-    with open(path, "wb") as fh:
-        fh.write(data)
+    try:
+        os.makedirs(tmp, exist_ok=True)
+        with open(os.path.join(tmp, args.pre_begin), "wb") as fh:
+            fh.write(data)
+    except OSError as exc:  # the directory went away between the two calls
+        fields = {"stage": "pre_begin", "dir": tmp, "error": repr(exc)[:300]}
+        say(event="write_failed", rank=0, step=step, job=args.job, **fields)
+        return
     files = {args.pre_begin: hashlib.sha256(data).hexdigest()}
     say(event="wrote", rank=0, step=step, job=args.job, dir=tmp, files=files, pre_begin=True)
 

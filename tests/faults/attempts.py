@@ -54,7 +54,7 @@ from tests.faults._attempt_common import (
 )
 from tests.faults.frozen import frozen_rank, woken_during_retry
 from tests.faults.harness import FaultDaemon, Outcome, Result, release, run_scenarios
-from tests.faults.race import RACE, rescue_race
+from tests.faults.race import ASIDE, MIXED, RACE, VANISHED, rescue_race
 
 __all__ = [
     "SCENARIOS",
@@ -310,6 +310,15 @@ def run_attempt_faults(
                 Counter(t["rescue"] for t in trials if t["winner"] != "rescue")
             ),
             f"new job's {PRE_BEGIN} written before its begin": dict(early),
+            "race trials showing the rescue finding (Findings)": sum(
+                t["pre_begin"] in (MIXED, ASIDE, VANISHED) for t in trials
+            ),
+            "of which promoted checkpoints failing verify": sum(
+                "fails verify" in f
+                for o in result.outcomes
+                if o.name == RACE
+                for f in o.evidence.get("findings", [])
+            ),
             "runs showing a standing finding (Findings)": dict(
                 Counter(o.name for o in result.outcomes if o.evidence.get("findings"))
             ),

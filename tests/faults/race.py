@@ -36,7 +36,7 @@ from tests.faults._attempt_common import (
 )
 from tests.faults.harness import FaultDaemon, Outcome, Ranks, release
 
-__all__ = ["ASIDE", "IN_STEP", "LOST", "MIXED", "RACE", "STRAY", "rescue_race"]
+__all__ = ["ASIDE", "IN_STEP", "LOST", "MIXED", "RACE", "STRAY", "VANISHED", "rescue_race"]
 
 RACE = "ckptd promote of a failed, complete step racing a new job's begin"
 """The rescue race's scenario name."""
@@ -46,6 +46,7 @@ IN_STEP = "in the new attempt's step_N"
 MIXED = "promoted with the rescued attempt (Findings)"
 ASIDE = "set aside with the rescued attempt's directory (Findings)"
 STRAY = "left in a new tmp_step_N beside the rescued step_N"
+VANISHED = "not written: tmp_step_N went away under the write (Findings)"
 LOST = "lost"
 
 
@@ -172,8 +173,13 @@ class _Race:
             retrying.wait_line(ending, rank=r, step=step, timeout=120)
         final = wait_settled(daemon, root, step)
         self.checks.expect(final["state"] == "promoted", f"step {step} settled as {final}")
-        fresh = written(retrying.drain(), step=step, job=2)
-        self.judge(daemon, root, step, (old, dead), fresh, reply, begins)
+        log = retrying.drain()
+        fresh = written(log, step=step, job=2)
+        vanished = any(
+            x.get("event") == "write_failed" and x["step"] == step and x["stage"] == "pre_begin"
+            for x in log
+        )
+        self.judge(daemon, root, step, (old, dead), fresh, reply, begins, vanished=vanished)
         self.log[-1].update(offset_ms=round(offset * 1000, 1))
 
     def judge(
@@ -185,8 +191,13 @@ class _Race:
         fresh: dict[str, str],
         reply: dict[str, Any],
         begins: list[dict[str, Any]],
+        *,
+        vanished: bool,
     ) -> None:
-        """Exactly one of the two took the step, and ``step_N`` is wholly the winner's."""
+        """Exactly one of the two took the step, and ``step_N`` is wholly the winner's.
+
+        ``vanished``: the new job's pre-begin write failed, its directory gone under it.
+        """
         checks, (old, dead) = self.checks, failed
         rescued = bool(reply.get("ok")) and reply.get("state") == "promoted"
         began = all(b["acked"] for b in begins)
@@ -198,11 +209,11 @@ class _Race:
         if not rescued:
             self.rescue_codes[rescue] += 1
         self.begin_codes.update(refused)
-        where = self._early_file(root, step, fresh, old, rescued=rescued)
+        where = VANISHED if vanished else self._early_file(root, step, fresh, old, rescued=rescued)
         if where != "none":
             self.early[where] += 1
         checks.finding(
-            where not in (MIXED, ASIDE), f"step {step}: the new job's {PRE_BEGIN} {where}"
+            where not in (MIXED, ASIDE, VANISHED), f"step {step}: the new job's {PRE_BEGIN} {where}"
         )
         early = {k: v for k, v in fresh.items() if k == PRE_BEGIN}
         if rescued:

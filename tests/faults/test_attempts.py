@@ -37,7 +37,9 @@ SAMPLE = [
     pytest.param(
         name,
         marks=pytest.mark.xfail(
-            strict=True, raises=FindingStands, reason=f"{FINDINGS[name]} (reliability.md)"
+            strict=True,
+            raises=FindingStands,
+            reason=f"{FINDINGS[name]} (docs/reliability.md, Findings)",
         ),
     )
     if name in FINDINGS
