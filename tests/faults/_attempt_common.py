@@ -36,11 +36,11 @@ __all__ = [
     "check_promoted_attempt",
     "conns_of",
     "digests",
+    "ended_cleanly",
     "held_mid_upload",
     "in_trash",
     "is_step",
     "job",
-    "promoted_once",
     "serving",
     "tree",
     "wait_settled",
@@ -192,11 +192,21 @@ def in_trash(root: Path, step: int, attempt: str) -> dict[str, str]:
     return files
 
 
-def promoted_once(checks: Checks, daemon: FaultDaemon, steps: Iterable[int]) -> None:
-    """Each of ``steps`` has exactly one ``checkpoint.promoted`` (read once the daemon ended)."""
+def ended_cleanly(
+    checks: Checks, daemon: FaultDaemon, steps: Iterable[int], *, internal: int = 0
+) -> None:
+    """Checks on a daemon run that has ended (every event read).
+
+    Each of ``steps`` has exactly one ``checkpoint.promoted``; the daemon logged no
+    ``daemon.internal_error`` but the ``internal`` ones a standing finding accounts for,
+    and printed nothing that is not a JSON event.
+    """
     counts = Counter(e.get("step") for e in daemon.of("checkpoint.promoted"))
     twice = {s: counts[s] for s in steps if counts[s] != 1}
     checks.expect(not twice, f"steps not promoted exactly once: {twice}")
+    errors = daemon.of("daemon.internal_error")
+    checks.expect(len(errors) == internal, f"daemon.internal_error: {errors[:3]}")
+    checks.expect(not daemon.stdout, f"the daemon printed non-JSON: {daemon.stdout[-5:]}")
 
 
 def conns_of(daemon: FaultDaemon, pids: Iterable[int]) -> set[int]:

@@ -42,11 +42,11 @@ from tests.faults._attempt_common import (
     PRE_BEGIN,
     Checks,
     check_promoted_attempt,
+    ended_cleanly,
     held_mid_upload,
     in_trash,
     is_step,
     job,
-    promoted_once,
     serving,
     tree,
     wait_settled,
@@ -124,7 +124,7 @@ def killed_and_resaved(workdir: Path) -> Outcome:
             f"once with the new attempt's {len(fresh)} files; the dead attempt's "
             f"{len(trashed)} files in .ckptd-trash"
         )
-    promoted_once(checks, daemon, [1, 2])
+    ended_cleanly(checks, daemon, [1, 2])
     return out
 
 
@@ -164,7 +164,7 @@ def journal_lost(workdir: Path) -> Outcome:
         _requeued(daemon.start(), root, checks, dead_attempt, dead, out)
     finally:
         daemon.reap()
-    promoted_once(checks, daemon, [2])
+    ended_cleanly(checks, daemon, [2])
     return out
 
 
@@ -248,7 +248,7 @@ def refused_save(workdir: Path) -> Outcome:
         checks.expect(codes == [0, 0], f"the job exited {codes}: {again.output()}")
         stray = sorted(tree(root / "tmp_step_1")) if (root / "tmp_step_1").exists() else []
         checks.finding(not stray, f"the refused save wrote tmp_step_1/{stray}")
-    promoted_once(checks, daemon, [1])
+    ended_cleanly(checks, daemon, [1])
     out.observed = (
         f"begins refused ({', '.join(sorted({str(b[2]) for b in begins if b[2]}))}); "
         f"step_1 unchanged; the refused save wrote {stray or 'nothing'}"

@@ -25,11 +25,11 @@ from tests.faults._attempt_common import (
     check_promoted_attempt,
     conns_of,
     digests,
+    ended_cleanly,
     held_mid_upload,
     in_trash,
     is_step,
     job,
-    promoted_once,
     serving,
     tree,
     wait_settled,
@@ -158,7 +158,7 @@ def frozen_rank(workdir: Path) -> Outcome:
             f"reports refused {dict(refused)}; step_1 unchanged ({len(after)} files); the "
             f"woken rank's writes: {landed}"
         )
-    promoted_once(checks, daemon, [1])
+    ended_cleanly(checks, daemon, [1])
     return out
 
 
@@ -224,7 +224,7 @@ def woken_during_retry(workdir: Path) -> Outcome:
             problems = verify_checkpoint(str(root / "step_1"))
             checks.expect(problems == [], f"step_1 fails verify: {problems[:3]}")
         owners = whose_tensors(root / "step_1", 1, (1, 2))
-    promoted_once(checks, daemon, [1])
+    ended_cleanly(checks, daemon, [1])
     extra = {k: v for k, v in late.items() if dead.get(k) != v}
     into = sorted(
         {

@@ -26,10 +26,10 @@ from tests.faults._attempt_common import (
     Checks,
     check_promoted_attempt,
     digests,
+    ended_cleanly,
     in_trash,
     is_step,
     job,
-    promoted_once,
     serving,
     wait_settled,
     written,
@@ -48,6 +48,12 @@ ASIDE = "set aside with the rescued attempt's directory (Findings)"
 STRAY = "left in a new tmp_step_N beside the rescued step_N"
 VANISHED = "not written: tmp_step_N went away under the write (Findings)"
 LOST = "lost"
+
+# What a rescue may answer here; "internal" is a standing finding (a scan of files that
+# change under it), anything else a violation.
+_RESCUE_ANSWERS = frozenset(
+    {"promoted", "unverifiable", "invalid_state", "already_promoted", "internal"}
+)
 
 
 def rescue_race(
@@ -124,7 +130,7 @@ class _Race:
                         )
                 codes = [*failing.wait(180), *retrying.wait(180)]
             self.checks.expect(codes == [0] * 4, f"jobs exited {codes}: {retrying.output()}")
-        promoted_once(self.checks, daemon, steps)
+        ended_cleanly(self.checks, daemon, steps, internal=self.rescue_codes["internal"])
         self.out.evidence["trials"] = self.log
         self.out.evidence["pre_begin"] = dict(self.early)
         self.out.observed = (
@@ -208,6 +214,8 @@ class _Race:
         rescue = str(reply.get("state") if reply.get("ok") else reply["error"]["code"])
         if not rescued:
             self.rescue_codes[rescue] += 1
+        checks.expect(rescue in _RESCUE_ANSWERS, f"step {step}: the rescue answered {reply}")
+        checks.finding(rescue != "internal", f"step {step}: the rescue answered {reply}")
         self.begin_codes.update(refused)
         where = VANISHED if vanished else self._early_file(root, step, fresh, old, rescued=rescued)
         if where != "none":
@@ -243,6 +251,7 @@ class _Race:
                 "step": step,
                 "winner": "rescue" if rescued else "new attempt",
                 "rescue": rescue,
+                "rescue_message": None if reply.get("ok") else reply["error"]["message"][:200],
                 "begins": refused or "acknowledged",
                 "pre_begin": where,
             }

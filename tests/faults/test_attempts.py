@@ -108,6 +108,52 @@ class TestRescueRestoresIntoTheSharedPath:
             raise FindingStands(f"step_1 holds {promoted}")
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+class TestRescueOfAStepBeingWritten:
+    """``ckptd promote`` of a step whose rank is still writing is refused, never an error."""
+
+    @pytest.mark.xfail(
+        strict=True,
+        raises=FindingStands,
+        reason="a rescue's scan of files changing under it answers internal "
+        "(docs/reliability.md, Findings)",
+    )
+    def test_refused_while_files_change(self, short_dir: Path) -> None:
+        with serving(short_dir) as (daemon, root):
+            with LineClient(daemon.socket_path) as rank, LineClient(daemon.socket_path) as op:
+                begun = rank.request("begin", root=str(root), step=1, rank=0, world_size=1)
+                # DCP's coordinator writes .metadata.tmp and renames it to .metadata; here
+                # a thread does so over and over while an operator tries to rescue.
+                stop = threading.Event()
+                churn = threading.Thread(target=_renames, args=(Path(begun["path"]), stop))
+                churn.start()
+                codes: list[str] = []
+                try:
+                    while len(codes) < 5000 and "internal" not in codes:
+                        codes.append(_rescue_code(op, root))
+                finally:
+                    stop.set()
+                    churn.join(30)
+        assert set(codes) <= {"invalid_state", "unverifiable", "internal"}, codes
+        if "internal" in codes:
+            raise FindingStands(f"rescue {len(codes)} answered internal")
+
+
+def _rescue_code(client: LineClient, root: Path) -> str:
+    reply = client.request("promote", root=str(root), step=1, timeout=5)
+    return str(reply["error"]["code"]) if not reply["ok"] else str(reply["state"])
+
+
+def _renames(directory: Path, stop: threading.Event) -> None:
+    """Rename a file back and forth in ``directory`` until ``stop`` is set."""
+    staged, final = directory / ".metadata.tmp", directory / ".metadata"
+    staged.write_bytes(b"x")
+    while not stop.is_set():  # the load of the trial, not a wait for anything
+        os.rename(staged, final)
+        os.rename(final, staged)
+
+
 def _pre_begin_write(watch: Appearance, root: Path) -> None:
     """Write the pre-begin file by path once ``tmp_step_1`` appears, as a trainer does."""
     if watch.wait(60):
