@@ -1,9 +1,10 @@
 """``python -m tests.faults``: the long fault-injection run, and its figures.
 
-Runs the kill campaign, the rank and disk fault scenarios and the protocol fuzzer with
-large numbers, prints a Markdown table of what happened, writes the raw results as JSON,
-and with ``--write-doc`` regenerates the figures section of docs/reliability.md. The
-exit status is 1 if any campaign found a violation. ``scripts/faults`` wraps it.
+Runs the kill campaign, the rank, disk and attempt fault scenarios (with the rescue
+race) and the protocol fuzzer with large numbers, prints a Markdown table of what
+happened, writes the raw results as JSON, and with ``--write-doc`` regenerates the
+figures section of docs/reliability.md. The exit status is 1 if any campaign found a
+violation. ``scripts/faults`` wraps it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from tests.faults.harness import Result
 
-CAMPAIGNS = ("kill", "ranks", "disk", "fuzz")
+CAMPAIGNS = ("kill", "ranks", "disk", "attempts", "fuzz")
 
 
 def _progress(message: str) -> None:
@@ -42,6 +43,12 @@ def _run(name: str, args: argparse.Namespace, workdir: Path) -> Result:
         from tests.faults.disk import run_disk_faults
 
         return run_disk_faults(workdir, args.rounds, progress=_progress)
+    if name == "attempts":
+        from tests.faults.attempts import run_attempt_faults
+
+        return run_attempt_faults(
+            workdir, args.rounds, args.race_trials, seed=args.seed, progress=_progress
+        )
     from tests.faults.fuzz import run_fuzz_campaign
 
     return run_fuzz_campaign(workdir, args.fuzz_frames, seed_=args.seed, progress=_progress)
@@ -52,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.faults", description=__doc__)
     parser.add_argument("--kill-trials", type=int, default=500, metavar="N")
     parser.add_argument("--fuzz-frames", type=int, default=100_000, metavar="N")
+    parser.add_argument("--race-trials", type=int, default=500, metavar="N")
     parser.add_argument("--rounds", type=int, default=1, help="repetitions of each scenario")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", default=",".join(CAMPAIGNS), help="e.g. kill,fuzz")

@@ -29,6 +29,8 @@ from typing import Any
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from daemon import verify_checkpoint
+from daemon._attempts import TRASH
+from orchestrator.protocol import ATTEMPT_MARKER
 from tests._dcp_worker import state_for
 from tests.conftest import LineClient
 from tests.faults.harness import (
@@ -117,7 +119,9 @@ def _dcp_step(client: LineClient, root: Path, step: int) -> list[dict[str, Any]]
     assert reply["ok"], reply
     tmp = root / f"tmp_step_{step}"
     dcp_save(state_for(0, step, 16384), checkpoint_id=str(tmp), no_dist=True)
-    return [{"path": rel, "size": size} for rel, size in _listing(tmp).items()]
+    # What the rank wrote: everything but the attempt marker the daemon put there.
+    wrote = {rel: size for rel, size in _listing(tmp).items() if rel != ATTEMPT_MARKER}
+    return [{"path": rel, "size": size} for rel, size in wrote.items()]
 
 
 def enospc_during_promotion(workdir: Path) -> Outcome:
@@ -125,8 +129,8 @@ def enospc_during_promotion(workdir: Path) -> Outcome:
     out = Outcome(
         "filesystem full when promotion starts (4 MiB tmpfs)",
         "checkpoint.failed 'promotion failed: write manifest failed ...: No space left on "
-        "device'; nothing visible as step_N; tmp dir set aside intact; step_1 untouched; "
-        "the daemon keeps serving",
+        "device'; nothing visible as step_N; the failed attempt's directory set aside "
+        "intact (no manifest, no temporary file); step_1 untouched; the daemon keeps serving",
     )
     with small_tmpfs(workdir / "mnt", "4m") as mnt, _daemon(mnt, workdir) as daemon:
         with LineClient(daemon.socket_path, timeout=60) as client:
@@ -147,10 +151,11 @@ def enospc_during_promotion(workdir: Path) -> Outcome:
         _expect(out, second["state"] == "failed", f"step 2: {second}")
         _expect(out, "write manifest" in reason and _NO_SPACE in reason, f"reason: {reason}")
         _expect(out, not (mnt / "step_2").exists(), "step_2 visible")
-        # The failed attempt's files are kept, intact, set aside in the trash.
-        kept = list((mnt / ".ckptd-trash").glob("tmp_step_2.attempt-*"))
-        _expect(out, len(kept) == 1, f"step 2's files set aside: {kept}")
-        _expect(out, bool(kept) and _listing(kept[0]) == before, "tmp_step_2 changed")
+        # A failed attempt's directory goes into the root's trash (guarantees 4a).
+        aside = [p for p in (mnt / TRASH).glob("tmp_step_2.attempt-*") if p.is_dir()]
+        kept = [_listing(p) for p in aside]
+        _expect(out, not (mnt / "tmp_step_2").exists(), "tmp_step_2 not set aside")
+        _expect(out, kept == [before], f"set aside {kept}, written {before}")
         _expect(out, verify_checkpoint(str(mnt / "step_1")) == [], "step_1 fails verify")
         _expect(out, third["state"] == "promoted", f"step 3: {third}")
         out.observed = f"step 2 failed: {reason[:160]}; step 3: {third['state']}"

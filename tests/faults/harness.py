@@ -246,6 +246,31 @@ class Ranks:
         """Send ``sig`` to one rank."""
         self.procs[rank].send_signal(sig)
 
+    def freeze(self, rank: int, timeout: float = 30.0) -> None:
+        """SIGSTOP one rank and return once the whole process has stopped.
+
+        A stop completes only when every thread has taken it; until then a thread that
+        I/O wakes (a write to the FIFO it reads) may still run, and the more so on a
+        loaded machine. ``waitid(WSTOPPED)`` reports the completed stop (``WNOWAIT``:
+        an exit instead is reported without being reaped, so ``Popen`` still sees it).
+
+        Raises:
+            AssertionError: the rank exited, or did not stop within ``timeout``.
+        """
+        proc = self.procs[rank]
+        proc.send_signal(signal.SIGSTOP)
+        seen: list[os.waitid_result | None] = []
+        flags = os.WSTOPPED | os.WEXITED | os.WNOWAIT
+        waiter = threading.Thread(
+            target=lambda: seen.append(os.waitid(os.P_PID, proc.pid, flags)), daemon=True
+        )
+        waiter.start()
+        waiter.join(timeout)
+        if not seen:
+            raise AssertionError(f"rank {rank} did not stop within {timeout}s")
+        if seen[0] is None or seen[0].si_code != os.CLD_STOPPED:
+            raise AssertionError(f"rank {rank} ended instead of stopping: {seen[0]}")
+
     def kill(self) -> None:
         """Kill every rank still running (continuing stopped ones first) and reap them."""
         for p in self.procs:

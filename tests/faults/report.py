@@ -70,6 +70,9 @@ def _inputs(result: Result) -> str:
         return f"{result.figures.get('frames', 0):,} frames"
     if result.name == "kill":
         return f"{result.trials:,} daemon kills"
+    if result.name == "attempts":
+        runs = next((v for k, v in result.figures.items() if k.startswith("scenario runs")), 0)
+        return f"{runs} scenario runs, {result.figures.get('rescue race trials', 0):,} race trials"
     return f"{result.trials} scenarios" + (
         f" ({sum(o.skipped is not None for o in result.outcomes)} skipped)"
         if any(o.skipped for o in result.outcomes)
