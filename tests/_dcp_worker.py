@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import sys
 import threading
 import time
@@ -48,9 +49,17 @@ def say(**fields: Any) -> None:
 
 
 def _gate(path: str, rank: int, where: str) -> None:
-    say(event="held", rank=rank, at=where)
-    with open(path, "rb") as fh:  # blocks until the test opens the FIFO for writing
-        fh.read(1)
+    # Open first, then say "held": a release (the test opening the FIFO to write) that
+    # comes after "held" always finds this reader there to wake.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        say(event="held", rank=rank, at=where)
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        while not poller.poll():  # POLLIN with the byte, or POLLHUP once the writer closed
+            pass
+    finally:
+        os.close(fd)
     say(event="released", rank=rank, at=where)
 
 
