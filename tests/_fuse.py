@@ -9,6 +9,7 @@ Stopping that process with ``SIGSTOP`` makes every call on the mount block until
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import time
@@ -74,12 +75,18 @@ def bindfs_mount(backing: Path, mount: Path, options: str = "") -> Iterator[Bind
     cmd = ["bindfs", "-f", *(["-o", options] if options else []), str(backing), str(mount)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 10.0
-    while not _mounted(mount):  # bindfs -f gives no readiness signal but the mount itself
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            err = proc.communicate()[1].decode(errors="replace")
-            raise RuntimeError(f"bindfs did not mount {mount}: {err.strip()}")
-        time.sleep(0.01)
+    # bindfs -f gives no readiness signal but the mount itself: the kernel signals every
+    # change of the mount table to pollers of /proc/self/mountinfo (POLLPRI).
+    with open("/proc/self/mountinfo", "rb") as table:
+        poller = select.poll()
+        poller.register(table, select.POLLPRI | select.POLLERR)
+        while not _mounted(mount):
+            left = deadline - time.monotonic()
+            if proc.poll() is not None or left <= 0:
+                proc.kill()
+                err = proc.communicate()[1].decode(errors="replace")
+                raise RuntimeError(f"bindfs did not mount {mount}: {err.strip()}")
+            poller.poll(min(left, 0.5) * 1000)  # woken by the mount; bounded for an exit
     handle = BindMount(proc, mount)
     try:
         yield handle
