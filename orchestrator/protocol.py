@@ -203,6 +203,12 @@ class Begin(_Request, frozen=True, tag="begin"):
     start a failed step over, only re-attach to the attempt it belongs to. ``attempt``
     names that attempt (from the first ``begin`` reply); a begin naming an attempt that
     is not the step's current one is refused with ``stale_attempt``.
+
+    ``local_world_size`` is how many of the job's ranks write through this node's daemon
+    (torchrun's ``LOCAL_WORLD_SIZE``). None means ``world_size``: every rank is on this
+    node. Below ``world_size``, the step spans nodes: this node's daemon writes a node
+    marker once its ranks are done, and the daemon serving rank 0 promotes the step when
+    the markers cover every rank (``docs/multinode.md``).
     """
 
     root: PathStr
@@ -211,6 +217,7 @@ class Begin(_Request, frozen=True, tag="begin"):
     world_size: WorldSize
     resent: bool = False
     attempt: AttemptId | None = None
+    local_world_size: WorldSize | None = None
 
 
 class Done(_Request, frozen=True, tag="done"):
