@@ -50,8 +50,11 @@ class DaemonProcess:
         *extra: str,
         state_dir: Path | None = None,
         env: dict[str, str] | None = None,
+        wrap: list[str] | None = None,
     ) -> None:
         self.env = env or {}
+        self.wrap = wrap or []
+        """A command the daemon runs under (``nsenter ... --``, for a simulated node)."""
         self.socket_path = socket_path
         self.state_dir = state_dir or socket_path.with_name(f"{socket_path.name}.state")
         self.roots = roots
@@ -62,7 +65,8 @@ class DaemonProcess:
 
     def start(self, timeout: float = 30.0) -> DaemonProcess:
         """Start the daemon and wait for ``daemon.ready``."""
-        cmd = [sys.executable, "-m", "daemon", "serve", "--socket", str(self.socket_path)]
+        cmd = [*self.wrap, sys.executable, "-m", "daemon", "serve"]
+        cmd += ["--socket", str(self.socket_path)]
         if "--state-dir" not in self.extra:
             cmd += ["--state-dir", str(self.state_dir)]
         for r in self.roots:
