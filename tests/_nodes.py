@@ -210,6 +210,7 @@ class SimNode:
         self.daemon: DaemonProcess | None = None
         self._daemon_args: tuple[list[Path], list[str], dict[str, str]] | None = None
         self._procs: list[subprocess.Popen[Any]] = []
+        self.frozen = False
         cmd = ["unshare", "-m", "--propagation", "private", "--", "bindfs", "-f"]
         cmd += [*(["-o", options] if options else []), str(backing), str(mount)]
         # unshare execs bindfs in the new namespace: this pid is bindfs's.
@@ -228,6 +229,16 @@ class SimNode:
     def pid(self) -> int:
         """The bindfs process's pid: the handle of the node's namespace."""
         return self.proc.pid
+
+    def freeze(self) -> None:
+        """Hang the node's mount (SIGSTOP bindfs): every call on it blocks until :meth:`thaw`."""
+        os.kill(self.pid, signal.SIGSTOP)
+        self.frozen = True
+
+    def thaw(self) -> None:
+        """Let the node's mount answer again."""
+        os.kill(self.pid, signal.SIGCONT)
+        self.frozen = False
 
     def enter(self) -> list[str]:
         """The command prefix that runs a command inside this node's namespace."""
@@ -331,6 +342,8 @@ class SimNode:
 
     def close(self) -> None:
         """End everything in the node, unmount, end bindfs."""
+        if self.frozen:
+            self.thaw()
         if self.daemon is not None:
             self.daemon.kill()
             self._close_daemon()
