@@ -171,6 +171,7 @@ class Daemon:
         tree: Source tree to run the daemon from (another checkout, to compare builds).
         settings: Configuration keys written to a TOML file passed with ``--config``
             (e.g. ``{"max_open_saves": 10**6}`` for a load test that leaves saves open).
+        wrap: A command prefix the daemon runs under (``nsenter -t PID -m --``).
     """
 
     def __init__(
@@ -184,8 +185,11 @@ class Daemon:
         extra: Sequence[str] = (),
         tree: Path = REPO,
         settings: Mapping[str, int | str] | None = None,
+        wrap: Sequence[str] = (),
     ) -> None:
         self.tree = tree
+        self.wrap = list(wrap)
+        """A command the daemon runs under (``nsenter ... --``, inside a mount namespace)."""
         self.socket = str(workdir / "d.sock")
         self.state_dir = state_dir or workdir / "state"
         self.roots = list(roots)
@@ -215,7 +219,7 @@ class Daemon:
         Raises:
             RuntimeError: it exited or was not ready within ``timeout``.
         """
-        cmd = [sys.executable, "-m", self.module, "serve", "--socket", self.socket]
+        cmd = [*self.wrap, sys.executable, "-m", self.module, "serve", "--socket", self.socket]
         cmd += ["--state-dir", str(self.state_dir)]
         for root in self.roots:
             cmd += ["--root", str(root)]

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from bench import __main__ as bench_main
-from bench import client_cost, disk, footprint, promotion, stall, throughput
+from bench import client_cost, disk, footprint, multinode, promotion, stall, throughput
 from bench._common import BenchResult, Row
+from tests._system import require_root, require_tool
 
 
 def well_formed(result: BenchResult, bench: str) -> None:
@@ -60,6 +61,23 @@ class TestMultiRankBenchmarks:
 
     def test_disk(self) -> None:
         well_formed(disk.run(mb=1, saves=1), "disk")
+
+
+class TestMultiNodeBenchmark:
+    """The multi-node benchmark runs 2 nodes of 8 ranks, one sample, on each filesystem."""
+
+    def test_local(self) -> None:
+        result = multinode.run(nodes=[2], reps=1, filesystems=["local"], window=0.2)
+        well_formed(result, "multinode")
+        assert {r.metric for r in result.rows} >= {"last done -> promoted", "leader CPU waiting"}
+
+    def test_caching_mount(self) -> None:
+        require_tool("bindfs")
+        require_tool("nsenter", "util-linux")
+        require_root("mount namespaces and FUSE mounts")
+        result = multinode.run(nodes=[2], reps=1, filesystems=["caching"], window=0.2)
+        well_formed(result, "multinode")
+        assert all(r.name.startswith("caching") for r in result.rows)
 
 
 class TestRunner:
