@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from tests._nodes import Cluster, Job, SimNode, make_cluster, wait_until
 from tests.conftest import DaemonProcess
@@ -307,6 +309,8 @@ class TestLeaderRestart:
         promoted = events(killed, "checkpoint.promoted", 1)
         promoted += events(restarted, "checkpoint.promoted", 1)
         assert len(promoted) == 1, promoted
+        for rank in job.on(nodes[0]):
+            rank.reconnect()
         job.begin(2)
         job.save(2)
         settles_everywhere(nodes, 2, "promoted")
@@ -357,6 +361,16 @@ class TestZombieMarkers:
         ] == attempt
 
 
+def dcp_part(tmp: Path, part: str) -> list[dict[str, Any]]:
+    """A real DCP checkpoint of a small state in ``tmp/part``; its files as ``done`` lists them."""
+    state = {"weight": torch.arange(64, dtype=torch.float32)}
+    dcp_save(state, checkpoint_id=str(tmp / part), no_dist=True)
+    return [
+        {"path": str(p.relative_to(tmp)), "size": p.stat().st_size}
+        for p in sorted((tmp / part).iterdir())
+    ]
+
+
 class TestPromoteWithoutLeader:
     """With the leader's node gone, ``ckptd promote`` on another node finishes from markers."""
 
@@ -364,7 +378,12 @@ class TestPromoteWithoutLeader:
         back = nodes.backing_root
         leader = nodes[0]
         job.begin(1)
-        job.save(1, job.on(leader))
+        # The step holds a real DCP directory (rank 0 its coordinator): .metadata and
+        # the shard sizes it records are what a rescue checks besides the markers.
+        first, second = job.on(leader)
+        files = dcp_part(back / "tmp_step_1", "model")
+        assert first.done(1, files + first.write(1))["ok"]
+        assert second.save(1)["ok"]
         marked(back, 1, "n0")
         leader.freeze()
         for node in done_nodes:
@@ -387,9 +406,11 @@ class TestPromoteWithoutLeader:
         answer = nodes[2].wait(nodes.root, 1, 30.0)
         assert answer["state"] == "promoted", answer
         assert nodes[1].wait(nodes.root, 1, 30.0)["state"] == "promoted"
-        assert sorted(p.name for p in (nodes.backing_root / "step_1").glob("rank*.bin")) == [
+        step_dir = nodes.backing_root / "step_1"
+        assert sorted(p.name for p in step_dir.glob("rank*.bin")) == [
             f"rank{r}.bin" for r in range(6)
         ]
+        assert (step_dir / "model" / ".metadata").is_file()
 
     def test_refuses_naming_what_is_missing(self, three: tuple[Cluster, Job]) -> None:
         nodes, job = three
