@@ -34,10 +34,12 @@ from ._journal import Journal, JournalRecord
 from ._lanes import Lanes
 from ._ledger import Effect, Emit, Ledger, SaveKey, SaveRecord, SetAside, Settled, Verify
 from ._mounts import is_local, mount_table
+from ._nodes import Nodes
 from ._owners import AttemptDirs
 from ._paths import check_relative, check_tmp_dir
 from ._promoter import LocalStorage, Storage, latest_promoted
 from ._promotion import Promoter
+from ._saves import MarkNode, NodeFailed, Watch
 from ._trash import TrashRemover
 from ._verify import scan_save
 
@@ -71,7 +73,9 @@ class Daemon:
     ) -> None:
         self.config = config
         self.events = Events()
-        self.ledger = Ledger(lease=config.lease, save_timeout=config.save_timeout)
+        self.ledger = Ledger(
+            lease=config.lease, save_timeout=config.save_timeout, node_timeout=config.node_timeout
+        )
         self.clock = clock
         self._started = clock()
         self._conn_ids = itertools.count(1)
@@ -105,6 +109,9 @@ class Daemon:
         mounts = mount_table()
         self._local = {r.path for r in config.roots if is_local(r.real or r.path, mounts)}
         """Roots on a local filesystem: their per-save checks run on the event loop."""
+        self.nodes = Nodes(self, run=self._run_for, local_roots=self._local)
+        """Saves that span nodes: the attempt agreed, markers written and watched."""
+        self.promoter.claimed = self.nodes.follow_later
 
     # -- effects -----------------------------------------------------------------------
 
@@ -180,8 +187,11 @@ class Daemon:
                 self.promoter.start(effect.key)
             elif isinstance(effect, SetAside):
                 self.attempt_dirs.start_set_aside(effect)
+            elif isinstance(effect, MarkNode | Watch | NodeFailed):
+                self.nodes.start(effect)
             elif isinstance(effect, Settled):
                 self.attempt_dirs.forget(effect.key)
+                self.nodes.forget(effect.key)
                 waiter = self._waiters.pop(effect.key, None)
                 if waiter is not None:
                     waiter.set()
@@ -334,10 +344,15 @@ class Daemon:
                     "checkpoint.gone", "warning", root=root.path, step=key.step, path=final
                 )
                 known = self.ledger.get(key)
+        fresh = _attempts.new_attempt_id()
         if known is None or self.ledger.starts_new_attempt(
             key, conn, resent=request.resent, attempt=request.attempt
         ):
             await self._admit(root, key)
+            lws = request.local_world_size
+            if lws is not None and lws < request.world_size and request.rank != 0:
+                # Spanning nodes: every node's ranks join the attempt the leader marks.
+                fresh = await self.nodes.attempt_for(root, key, request.world_size) or fresh
         effects = self.ledger.begin(
             key,
             request.rank,
@@ -346,13 +361,18 @@ class Daemon:
             self.clock(),
             resent=request.resent,
             attempt=request.attempt,
-            fresh=_attempts.new_attempt_id(),
+            fresh=fresh,
+            local_world_size=request.local_world_size,
         )
         save = self.ledger.get(key)
         assert save is not None
         await self.commit(effects)
+        self.nodes.begun(key)
         if save.state is p.SaveState.OPEN:
-            await self.attempt_dirs.ready(root, save)
+            if not save.spans or save.leader:
+                await self.attempt_dirs.ready(root, save)
+            else:  # the leader's marker is there: only the leader prepares the directory
+                self.nodes.announce(root, save)
         if save.state is p.SaveState.FAILED:
             raise RequestError(p.ErrorCode.STEP_FAILED, f"step {key.step} failed: {save.reason}")
         return p.BeginReply(
@@ -388,6 +408,7 @@ class Daemon:
                 (save := self.ledger.get(key)) is None
                 or save.state not in _SETTLED
                 or self.attempt_dirs.reporting(key)  # failed, but not yet set aside
+                or self.nodes.reporting(key)  # failed, but not yet written out
             ):
                 if save is None and await self.lanes.run(
                     root.path, os.path.isdir, root.final_dir(request.step), abandon=True
@@ -403,7 +424,9 @@ class Daemon:
         attempt = save.attempt or None
         if save.state is p.SaveState.PROMOTED:
             return p.WaitReply(id=request.id, state="promoted", path=save.path, attempt=attempt)
-        if save.state is p.SaveState.FAILED and not self.attempt_dirs.reporting(key):
+        if save.state is p.SaveState.FAILED and not (
+            self.attempt_dirs.reporting(key) or self.nodes.reporting(key)
+        ):
             return p.WaitReply(id=request.id, state="failed", reason=save.reason, attempt=attempt)
         return p.WaitReply(id=request.id, state="pending", attempt=attempt)
 

@@ -146,6 +146,9 @@ class ErrorCode(enum.StrEnum):
     earlier, failed or replaced run of the job); nothing was changed."""
     STEP_CLOSED = "step_closed"
     """``begin`` for a step that is being verified or promoted: no writer may join it."""
+    NODE_CONFLICT = "node_conflict"
+    """A save that spans nodes got a contradiction: a ``local_world_size`` unlike the
+    step's, more ranks on a node than it said, or a rank claimed by two nodes."""
     UNVERIFIABLE = "unverifiable"
     """``promote`` refused: the files on disk do not prove the step complete."""
     NOT_FOUND = "not_found"
