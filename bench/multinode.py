@@ -79,7 +79,7 @@ class _Cluster:
                 home,
                 [self.root],
                 keep_events=False,
-                extra=["--node", f"n{i}", "--log-level", "warning"],
+                extra=["--node", f"n{i}"],
                 settings={"node_timeout": 3600},
                 wrap=wraps[i],
             )
