@@ -136,9 +136,11 @@ def snapshot(saves: Iterable[SaveRecord]) -> list[JournalRecord]:
             for r, rec in ranks
             if rec.state is RankState.FAILED and rec.reason is not None
         ]
-        out += _spanning_records(save)
         if save.rescued:  # after the ranks' records, whose failure it overrode
-            out.append(JRescue(root, step, save.first_begin, save.attempt, save.world_size))
+            spanning = save.world_size if save.fenced else 0
+            out.append(JRescue(root, step, save.first_begin, save.attempt, spanning))
+        # A rescue takes the other nodes' markers after it, a leader before its outcome.
+        out += _spanning_records(save)
         failed_rank = any(r.state is RankState.FAILED for r in save.ranks.values())
         if save.learned:
             detail = (save.path if save.state is SaveState.PROMOTED else save.reason) or ""
