@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -347,3 +348,27 @@ class TestRescue:
         assert (job.root / "step_1" / "rank0.bin").exists()
         assert (job.root / "step_1" / "model" / ".metadata").exists()
         assert os.readlink(job.root / "latest") == "step_1"
+
+
+class TestSharedGc:
+    """``gc`` on a node but the leader never takes a spanning save's shared directory."""
+
+    def test_a_followers_gc_leaves_the_shared_directory(self, cluster: Callable[..., Job]) -> None:
+        job = cluster(2)
+        assert all(r["ok"] for r in job.begin_all(1).values())
+        for rank in (0, 1, 2):
+            assert job.write_and_done(1, rank)["ok"]
+        leader = job.daemons[0]
+        assert leader.proc is not None
+        leader.proc.send_signal(signal.SIGSTOP)  # the leader cannot set it aside yet
+        try:
+            assert job.fail(1, 3, "oom")["ok"]
+            assert job.wait(1, 1)["state"] == "failed"
+            with LineClient(job.daemons[1].socket_path) as c:
+                reply = c.request("gc", root=str(job.root), remove=True)
+            assert reply["ok"], reply
+            assert (job.root / "tmp_step_1" / "rank0.bin").exists()
+        finally:
+            leader.proc.send_signal(signal.SIGCONT)
+        assert job.wait(0, 1)["state"] == "failed"
+        assert not (job.root / "tmp_step_1").exists()  # the leader set it aside
