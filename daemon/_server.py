@@ -298,6 +298,7 @@ class Daemon:
                         for r in self.config.roots
                     ],
                     stalled=self.lanes.stalled(only),
+                    node=self.config.node,
                 )
             case p.Latest(root=root_path):
                 root = self.configured(root_path)
@@ -543,6 +544,7 @@ class Daemon:
                 bytes=sum(f.size for f in rec.files),
                 lease_s=None if rec.lease_deadline is None else round(rec.lease_deadline - now, 3),
                 reason=rec.reason,
+                node=rec.node,
             )
             for rank, rec in sorted(save.ranks.items())
         ]
@@ -557,6 +559,9 @@ class Daemon:
             reason=save.reason,
             attempt=save.attempt or None,
             set_aside=save.set_aside,
+            local_world_size=save.local_world_size if save.spans else None,
+            role=("leader" if save.leader else "node") if save.spans else None,
+            marked=save.marked,
         )
 
 

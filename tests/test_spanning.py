@@ -142,6 +142,13 @@ class TestGating:
             assert job.write_and_done(1, rank)["ok"]
         job.daemons[1].wait_event("node.marked", match=lambda e: e["step"] == 1)
         assert job.wait(0, 1, timeout=0.5)["state"] == "pending"
+        job.daemons[0].wait_event("node.done", match=lambda e: e["node"] == "n1")
+        with LineClient(job.daemons[0].socket_path) as c:
+            (leader,) = c.request("status")["saves"]
+        with LineClient(job.daemons[2].socket_path) as c:
+            (other,) = c.request("status")["saves"]
+        assert (leader["role"], leader["local_world_size"], other["role"]) == ("leader", 2, "node")
+        assert [r.get("node") for r in leader["ranks"]] == [None, None, "n1", "n1"]
         assert not (job.root / "step_1").exists()
         for rank in (4, 5):
             assert job.write_and_done(1, rank)["ok"]
