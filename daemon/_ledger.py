@@ -495,6 +495,7 @@ class Ledger(SpanningLedger):
         for record in save.ranks.values():
             record.lease_deadline = None
         save.gather_deadline = None
+        save.learned = False  # the operator's verdict replaces what was learned
         save.fenced = save.fenced or world_size > 0 or save.spans
         if save.world_size == 0:
             save.world_size = world_size

@@ -255,7 +255,9 @@ class Nodes:
                             key, marker.node, attempt, marker.reason or "failed", now
                         )
                     else:
-                        save.writing_nodes.add(marker.node)
+                        effects += daemon.ledger.remote_writing(
+                            key, marker.node, attempt, marker.local_world_size, now
+                        )
                 if effects or daemon.ledger.pending_records():
                     await self._commit(effects)
                 await wake()
