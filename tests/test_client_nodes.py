@@ -16,19 +16,12 @@ from pathlib import Path
 import pytest
 
 from orchestrator import CheckpointClient
-from orchestrator._nodes import ENV_VARS, local_world_size
+from orchestrator._nodes import local_world_size
 from tests._peer import ScriptedDaemon
 from tests._ranks import free_port, pump_lines, start_rank
 from tests.conftest import REPO, DaemonProcess
 
 WORKER = REPO / "tests" / "_nodes_worker.py"
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No launcher's variables leak in from the environment the tests run in."""
-    for name in ENV_VARS:
-        monkeypatch.delenv(name, raising=False)
 
 
 @pytest.fixture

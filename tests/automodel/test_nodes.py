@@ -7,17 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator._nodes import ENV_VARS
 from orchestrator.automodel import AutomodelCheckpointManager
 from tests._peer import ScriptedDaemon
 from tests.automodel.conftest import RankJob
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No launcher's variables leak in from the environment the tests run in."""
-    for name in ENV_VARS:
-        monkeypatch.delenv(name, raising=False)
 
 
 class TestChecked:
