@@ -19,11 +19,11 @@ from typing import Any, Final
 
 import msgspec
 
+from . import _nodes
 from . import protocol as p
 from ._channel import Channel
 from ._errors import DaemonError
 from ._layout import Layouts, make_step_dir
-from ._nodes import local_world_size as resolve_local_world_size
 from ._pending import Begun, PendingBegin
 from ._tracking import SaveHandle
 from ._wire import SaveRecord
@@ -51,6 +51,9 @@ class CheckpointClient:
         max_reply: Longest reply line accepted, in bytes (default
             :data:`~orchestrator.protocol.MAX_REPLY`). A longer reply fails only the call
             it answers, with :class:`DaemonError` ``reply_too_long``.
+
+    The environment that says how many ranks are on this node (``LOCAL_WORLD_SIZE``,
+    ``SLURM_NTASKS_PER_NODE``; see :meth:`begin_nowait`) is read here, once.
     """
 
     def __init__(
@@ -64,6 +67,7 @@ class CheckpointClient:
         self.socket_path = socket_path or default_socket_path()
         self.begin_timeout = begin_timeout
         self._layouts = Layouts()
+        self._node_env = _nodes.read_environment()
         self._lock = threading.Lock()  # guards _handles (touched from callers' threads)
         self._handles: set[SaveHandle] = set()
         self._closed = False
@@ -130,16 +134,17 @@ class CheckpointClient:
             world_size: Number of ranks writing the step, over all nodes.
             local_world_size: How many of them write on this node. Default: torchrun's
                 ``LOCAL_WORLD_SIZE``, else Slurm's ``SLURM_NTASKS_PER_NODE`` (or an
-                unambiguous ``SLURM_TASKS_PER_NODE``), else unsaid: ``world_size``, one
-                node. An explicit value wins over the environment. Every re-sent
-                ``begin`` of the save carries the same value.
+                unambiguous ``SLURM_TASKS_PER_NODE``), as they were when the client was
+                created; else unsaid: ``world_size``, one node. An explicit value wins
+                over the environment. Every re-sent ``begin`` of the save carries the
+                same value.
 
         Raises:
             ValueError: ``local_world_size`` is not an ``int`` from 1 to
                 ``world_size``, or the environment names a count that does not fit
                 (the message names the variable). Nothing is sent.
         """
-        local = resolve_local_world_size(world_size, local_world_size)
+        local = self.resolve_local_world_size(world_size, local_world_size)
         record = SaveRecord(root, step, rank, world_size, local)
         future: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
         begin = p.Begin(
@@ -154,6 +159,20 @@ class CheckpointClient:
         known = self._layouts.known(root, step)
         fallback = self._layouts.default(root, step)
         return PendingBegin(self._channel, record, future, known, fallback, self.begin_timeout)
+
+    def resolve_local_world_size(
+        self, world_size: int, local_world_size: int | None = None
+    ) -> int | None:
+        """What this client's ``begin`` says of this node's ranks, for ``world_size``.
+
+        ``local_world_size`` if given, else what the environment said when the client
+        was created (see :meth:`begin_nowait`), else None (one node).
+
+        Raises:
+            ValueError: the value does not fit ``world_size``, naming the argument or
+                the variable it came from.
+        """
+        return _nodes.local_world_size(world_size, local_world_size, self._node_env)
 
     def step_path(self, root: str, step: int) -> str | None:
         """Where ``step`` of ``root`` is written, if this client can name it without asking.
@@ -334,7 +353,7 @@ class CheckpointClient:
                 f"{handle.step} of {handle.root!r}, rank {handle.rank}"
             )
         elif local_world_size is not None:
-            local = resolve_local_world_size(world_size, local_world_size)
+            local = self.resolve_local_world_size(world_size, local_world_size)
             if local != handle.local_world_size:
                 raise ValueError(
                     f"track(..., local_world_size={local}) was given the handle of a save "

@@ -16,7 +16,6 @@ from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_asyn
 
 from ._client import CheckpointClient
 from ._errors import SaveRefused
-from ._nodes import local_world_size as resolve_local_world_size
 from ._tracking import SaveHandle, describe
 from .protocol import ErrorInfo
 
@@ -127,10 +126,11 @@ def async_save(
         BaseException: whatever ``dcp.async_save`` raises while starting; the daemon is
             told the save failed first.
     """
+    client = client or default_client()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     # Checked before anything starts: a bad count found after DCP's call would leave
     # its upload waiting for a begin that is never sent.
-    local = resolve_local_world_size(world_size, local_world_size)
+    local = client.resolve_local_world_size(world_size, local_world_size)
     if handle is not None and local_world_size is not None and local != handle.local_world_size:
         raise ValueError(
             f"async_save(local_world_size={local}) was given the handle of a save begun "
@@ -154,7 +154,6 @@ def async_save(
     if planner is not None:
         kwargs["planner"] = planner
     seal = handle is None
-    client = client or default_client()
     # Where the step goes is known once the client can name it without the daemon; the
     # begin is then sent after DCP's call, so that neither the client's threads nor the
     # daemon compete with the call for the CPU and the GIL.

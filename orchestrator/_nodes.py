@@ -11,7 +11,10 @@ client takes the number, in this order, from:
    count (``8`` or ``8(x4)`` or ``8,8``): with counts that differ (``8(x2),4``) it
    cannot tell which is this node's, so it is not used.
 
-With none of them, nothing is sent: the daemon takes ``world_size``, one node.
+With none of them, nothing is sent: the daemon takes ``world_size``, one node. A
+client reads the environment once, when it is created (:func:`read_environment`):
+launchers set these variables before the process starts, and a ``begin`` on the
+training thread then costs no lookups.
 
 A value that cannot be right is an error, not a guess: a wrong count makes a node's
 daemon wait for ranks that are elsewhere, or never learn of them. The explicit argument
@@ -28,9 +31,10 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Final
 
-__all__ = ["ENV_VARS", "local_world_size"]
+__all__ = ["ENV_VARS", "NodeEnv", "local_world_size", "read_environment"]
 
 ENV_VARS: Final = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
 """The environment variables read, in order of precedence."""
@@ -39,25 +43,59 @@ _PLAIN: Final = re.compile(r"[1-9][0-9]{0,9}")
 _TASKS: Final = re.compile(r"([1-9][0-9]{0,9})(?:\(x[1-9][0-9]{0,9}\))?")
 
 
+@dataclass(frozen=True, slots=True)
+class NodeEnv:
+    """The variable that says how many ranks are on this node, as it was read.
+
+    Attributes:
+        name: The variable (one of :data:`ENV_VARS`).
+        raw: Its value.
+        value: The count it gives; None for a ``LOCAL_WORLD_SIZE`` that is not a
+            positive integer (an error once a ``begin`` needs it).
+    """
+
+    name: str
+    raw: str
+    value: int | None
+
+
+def read_environment(environ: Mapping[str, str] | None = None) -> NodeEnv | None:
+    """The first of :data:`ENV_VARS` that says something, or None.
+
+    Args:
+        environ: The environment to read (default ``os.environ``).
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get("LOCAL_WORLD_SIZE", "").strip()
+    if raw:
+        return NodeEnv("LOCAL_WORLD_SIZE", raw, int(raw) if _PLAIN.fullmatch(raw) else None)
+    raw = env.get("SLURM_NTASKS_PER_NODE", "").strip()
+    if _PLAIN.fullmatch(raw):
+        return NodeEnv("SLURM_NTASKS_PER_NODE", raw, int(raw))
+    raw = env.get("SLURM_TASKS_PER_NODE", "").strip()
+    uniform = _uniform_tasks(raw)
+    if uniform is not None:
+        return NodeEnv("SLURM_TASKS_PER_NODE", raw, uniform)
+    return None
+
+
 def local_world_size(
-    world_size: int,
-    explicit: int | None = None,
-    environ: Mapping[str, str] | None = None,
+    world_size: int, explicit: int | None = None, env: NodeEnv | None = None
 ) -> int | None:
     """This node's share of ``world_size`` ranks, from ``explicit`` or the environment.
 
     Args:
         world_size: Ranks writing the step, over all nodes.
         explicit: The caller's ``local_world_size``; wins over the environment.
-        environ: The environment to read (default ``os.environ``).
+        env: What :func:`read_environment` found.
 
     Returns:
         The number of the step's ranks on this node, or None when nothing says (the
         daemon then takes ``world_size``).
 
     Raises:
-        ValueError: ``explicit`` is not an ``int`` from 1 to ``world_size``, or an
-            environment variable names a count that cannot be right (see the module).
+        ValueError: ``explicit`` is not an ``int`` from 1 to ``world_size``, or the
+            environment names a count that cannot be right (see the module).
     """
     if explicit is not None:
         if isinstance(explicit, bool) or not isinstance(explicit, int):
@@ -71,33 +109,20 @@ def local_world_size(
                 "a node cannot hold more of the step's ranks than the step has"
             )
         return explicit
-    env = os.environ if environ is None else environ
-    raw = env.get("LOCAL_WORLD_SIZE", "").strip()
-    if raw:
-        if not _PLAIN.fullmatch(raw):
-            raise ValueError(
-                f"LOCAL_WORLD_SIZE={raw!r} is not a positive integer; torchrun sets it to "
-                "the number of this node's ranks (unset it, or pass local_world_size)"
-            )
-        return _fits("LOCAL_WORLD_SIZE", raw, int(raw), world_size)
-    raw = env.get("SLURM_NTASKS_PER_NODE", "").strip()
-    if _PLAIN.fullmatch(raw):
-        return _fits("SLURM_NTASKS_PER_NODE", raw, int(raw), world_size)
-    raw = env.get("SLURM_TASKS_PER_NODE", "").strip()
-    uniform = _uniform_tasks(raw)
-    if uniform is not None:
-        return _fits("SLURM_TASKS_PER_NODE", raw, uniform, world_size)
-    return None
-
-
-def _fits(name: str, raw: str, value: int, world_size: int) -> int:
-    if value > world_size:
+    if env is None:
+        return None
+    if env.value is None:
         raise ValueError(
-            f"{name}={raw!r} says {value} ranks are on this node, more than the step's "
-            f"world_size ({world_size}): the environment does not describe this job "
-            "(fix it, or pass local_world_size)"
+            f"{env.name}={env.raw!r} is not a positive integer; torchrun sets it to the "
+            "number of this node's ranks (unset it, or pass local_world_size)"
         )
-    return value
+    if env.value > world_size:
+        raise ValueError(
+            f"{env.name}={env.raw!r} says {env.value} ranks are on this node, more than "
+            f"the step's world_size ({world_size}): the environment does not describe "
+            "this job (fix it, or pass local_world_size)"
+        )
+    return env.value
 
 
 def _uniform_tasks(raw: str) -> int | None:

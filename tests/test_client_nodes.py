@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator import CheckpointClient
-from orchestrator._nodes import local_world_size
+from orchestrator._nodes import local_world_size, read_environment
 from tests._peer import ScriptedDaemon
 from tests._ranks import free_port, pump_lines, start_rank
 from tests.conftest import REPO, DaemonProcess
@@ -67,12 +67,12 @@ class TestResolution:
         ],
     )
     def test_value(self, env: dict[str, str], explicit: int | None, expected: int | None) -> None:
-        assert local_world_size(8, explicit, env) == expected
+        assert local_world_size(8, explicit, read_environment(env)) == expected
 
     @pytest.mark.parametrize("bad", [0, -1, 9, True, False, 2.0, "2"])
     def test_bad_argument(self, bad: object) -> None:
         with pytest.raises(ValueError, match="local_world_size"):
-            local_world_size(8, bad, {})  # type: ignore[arg-type]
+            local_world_size(8, bad)  # type: ignore[arg-type]
 
     @pytest.mark.parametrize(
         ("name", "raw"),
@@ -88,7 +88,7 @@ class TestResolution:
     )
     def test_misfit_environment_names_the_variable(self, name: str, raw: str) -> None:
         with pytest.raises(ValueError, match=name):
-            local_world_size(8, None, {name: raw})
+            local_world_size(8, None, read_environment({name: raw}))
 
 
 class TestSent:
@@ -131,17 +131,24 @@ class TestSent:
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
         monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2")
         monkeypatch.setenv("SLURM_TASKS_PER_NODE", "1(x8)")
+        for step, unset in ((1, None), (2, "LOCAL_WORLD_SIZE"), (3, "SLURM_NTASKS_PER_NODE")):
+            if unset is not None:
+                monkeypatch.delenv(unset)
+            with _client(short_dir) as client:
+                client.begin(str(root), step, 0, 8)
+        sent = [peer.next_request("begin", step=s)["local_world_size"] for s in (1, 2, 3)]
+        assert sent == [4, 2, 1]
+
+    def test_read_once_when_the_client_is_created(
+        self, peer: ScriptedDaemon, short_dir: Path, root: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
         with _client(short_dir) as client:
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
             client.begin(str(root), 1, 0, 8)
-            monkeypatch.delenv("LOCAL_WORLD_SIZE")
-            client.begin(str(root), 2, 0, 8)
-            monkeypatch.delenv("SLURM_NTASKS_PER_NODE")
-            client.begin(str(root), 3, 0, 8)
-        assert [peer.next_request("begin", step=s)["local_world_size"] for s in (1, 2, 3)] == [
-            4,
-            2,
-            1,
-        ]
+            assert client.resolve_local_world_size(8) == 4
+            assert client.resolve_local_world_size(8, 3) == 3
+        assert peer.next_request("begin", step=1)["local_world_size"] == 4
 
     def test_explicit_argument_wins_on_every_path(
         self, peer: ScriptedDaemon, short_dir: Path, root: Path, monkeypatch: pytest.MonkeyPatch
@@ -205,15 +212,15 @@ class TestRefusedBeforeSending:
     def test_misfit_environment(
         self, peer: ScriptedDaemon, short_dir: Path, root: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-        with _client(short_dir) as client:
-            with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE='8'"):
-                client.save(str(root), 1, 0, 4)
-            monkeypatch.setenv("LOCAL_WORLD_SIZE", "eight")
-            with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE='eight'"):
-                client.save(str(root), 1, 0, 4)
-            assert client.ping(30.0)
-        assert peer.drain() == ["ping"]
+        for raw in ("8", "eight"):
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", raw)
+            with _client(short_dir) as client:
+                with pytest.raises(ValueError, match=f"LOCAL_WORLD_SIZE='{raw}'"):
+                    client.save(str(root), 1, 0, 4)
+                assert client.begin(str(root), 2, 0, 4, local_world_size=2).acknowledged
+                assert client.ping(30.0)
+        assert [r for r in peer.drain() if r != "ping"] == ["begin", "begin"]
+        assert {r["step"] for r in peer.seen if r["op"] == "begin"} == {2}
         assert not (root / "tmp_step_1").exists()
 
 
@@ -228,7 +235,6 @@ class TestResent:
             explicit = client.save(str(root), 1, 3, 8, local_world_size=4)
             from_env = client.save(str(root), 2, 3, 8)
             assert explicit.attempt == from_env.attempt == "att-1"
-            monkeypatch.delenv("LOCAL_WORLD_SIZE")  # the first begin's value is kept
             peer.hang_up()  # as a daemon that restarts does
             again = {
                 s: peer.next_request("begin", step=s, resent=True)["local_world_size"]

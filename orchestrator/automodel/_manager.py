@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._client import CheckpointClient
-from .._nodes import local_world_size as resolve_local_world_size
+from .._nodes import local_world_size, read_environment
 from ._dtypes import MasterWeightDtypeError, describe_drift, master_weight_drift
 from ._lora import _resolve_lora_adapter_dir, peft_load_dir
 from ._promotion import StepTracker, connect
@@ -129,7 +129,7 @@ class AutomodelCheckpointManager:
         if self.checkpointer is not None:
             return
         world = dist.get_world_size() if dist.is_initialized() else 1
-        local = resolve_local_world_size(world, self._local_world_size)
+        local = local_world_size(world, self._local_world_size, read_environment())
         updates = dict(config_updates or {})
         updates.setdefault("save_consolidated", "false")
         config = CheckpointingConfig(enabled=True, checkpoint_dir="", **updates)
