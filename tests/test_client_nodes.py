@@ -289,7 +289,8 @@ class TestAsyncSave:
         self, peer: ScriptedDaemon, short_dir: Path, root: Path
     ) -> None:
         port = free_port()
-        cmd = [str(WORKER), "--root", str(root), "1:-", "2:2", "3:3", "4:-"]
+        saves = ["1:-", "2:2", "3:3", "4:-", "5:2@1", "6:1@1"]
+        cmd = [str(WORKER), "--root", str(root), *saves]
         lines: list[dict[str, object]] = []
         procs = [
             start_rank(cmd, rank, 2, port, short_dir / "peer.sock", {"LOCAL_WORLD_SIZE": "1"})
@@ -308,17 +309,27 @@ class TestAsyncSave:
         assert codes == [0, 0], json.dumps(lines)[-4000:]
         events = {(line["event"], line.get("rank"), line.get("step")) for line in lines}
         for rank in (0, 1):
-            assert {("saved", rank, 1), ("saved", rank, 2), ("saved", rank, 4)} <= events
-            assert ("refused", rank, 3) in events
-        refused = [line for line in lines if line["event"] == "refused"]
-        assert all("local_world_size=3" in str(line["error"]) for line in refused)
+            assert {("saved", rank, s) for s in (1, 2, 4, 6)} <= events
+            assert {("refused", rank, 3), ("refused", rank, 5)} <= events
+        errors = {
+            (line["rank"], line["step"]): str(line["error"])
+            for line in lines
+            if line["event"] == "refused"
+        }
+        assert all("local_world_size=3" in errors[(rank, 3)] for rank in (0, 1))
+        assert all("begun with local_world_size=1" in errors[(rank, 5)] for rank in (0, 1))
         sent = {}
-        for _ in range(6):
+        for _ in range(10):
             begin = peer.next_request("begin")
             sent[(begin["step"], begin["rank"])] = begin["local_world_size"]
         # Step 1 waits for the answer before DCP's call (the root's layout is unknown);
-        # steps 2 and 4 send it after (known from step 1's answer).
-        assert sent == {(1, 0): 1, (1, 1): 1, (2, 0): 2, (2, 1): 2, (4, 0): 1, (4, 1): 1}
+        # steps 2 and 4 send it after (known from step 1's answer); 5 and 6 are begun by
+        # the caller's handle.
+        assert sent == {
+            (s, r): n for s, n in ((1, 1), (2, 2), (4, 1), (5, 1), (6, 1)) for r in (0, 1)
+        }
         assert 3 not in {r["step"] for r in peer.seen if r["op"] == "begin"}
         assert not (root / "tmp_step_3").exists()
         assert (root / "tmp_step_4" / ".metadata").is_file()
+        assert not (root / "tmp_step_5" / ".metadata").exists()  # refused: nothing written
+        assert (root / "tmp_step_6" / ".metadata").is_file()
