@@ -103,8 +103,8 @@ def _run(ops: list[tuple[Any, ...]]) -> tuple[Ledger, list[JournalRecord]]:
                     save = ledger.get(key)
                     attempt = save.attempt if save is not None else ""
                     if ok:
-                        files = {2: [FileEntry("r2.bin", 2)], 3: [FileEntry("r3.bin", 3)]}
-                        effects = ledger.remote_done(key, "b", attempt, 2, files, now)
+                        node = {2: [FileEntry("r2.bin", 2)], 3: [FileEntry("r3.bin", 3)]}
+                        effects = ledger.remote_done(key, "b", attempt, 2, node, now)
                         verifying |= {e.key for e in effects if isinstance(e, Verify)}
                     else:
                         ledger.remote_failed(key, "b", attempt, "oom", now)
