@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from daemon._config import load_config
+from daemon._errors import ConfigError
 from tests.conftest import DaemonProcess, LineClient
 
 Start = Callable[..., DaemonProcess]
@@ -379,3 +383,34 @@ class TestSharedGc:
             leader.proc.send_signal(signal.SIGCONT)
         assert job.wait(0, 1)["state"] == "failed"
         assert not (job.root / "tmp_step_1").exists()  # the leader set it aside
+
+
+class TestNodeConfig:
+    """Node options are validated with messages that say how to fix them."""
+
+    def test_defaults_and_flags(self, tmp_path: Path) -> None:
+        config = load_config(roots=[str(tmp_path)], state_dir=str(tmp_path / "s"), env={})
+        assert config.node == socket.gethostname().split(".")[0]
+        assert config.node_timeout == 600.0
+        assert (config.roots[0].watch, config.roots[0].poll_interval) == ("auto", 0.25)
+        named = load_config(roots=[str(tmp_path)], node="gpu-7", env={})
+        assert named.node == "gpu-7"
+
+    @pytest.mark.parametrize(
+        ("toml", "why"),
+        [
+            ('node = "a/b"', "node 'a/b' must be 1-64 letters"),
+            ("node_timeout = 0", "node_timeout must be > 0"),
+            ('watch = "fanotify"', "watch 'fanotify' of root"),
+            ("poll_interval = 0", "poll_interval 0 of root"),
+        ],
+    )
+    def test_bad_values_are_refused(self, tmp_path: Path, toml: str, why: str) -> None:
+        file = tmp_path / "c.toml"
+        key = toml.split(" ")[0]
+        if key in ("watch", "poll_interval"):
+            file.write_text(f'[[roots]]\npath = "{tmp_path}"\n{toml}\n')
+        else:
+            file.write_text(f'{toml}\n[[roots]]\npath = "{tmp_path}"\n')
+        with pytest.raises(ConfigError, match=re.escape(why)):
+            load_config(config_file=str(file), env={})
