@@ -20,8 +20,9 @@ from typing import Any
 
 import pytest
 
-from daemon._config import load_config
+from daemon._config import RootConfig, load_config
 from daemon._errors import ConfigError
+from daemon._fence import claim
 from tests.conftest import DaemonProcess, LineClient
 
 Start = Callable[..., DaemonProcess]
@@ -414,3 +415,20 @@ class TestNodeConfig:
             file.write_text(f'{toml}\n[[roots]]\npath = "{tmp_path}"\n')
         with pytest.raises(ConfigError, match=re.escape(why)):
             load_config(config_file=str(file), env={})
+
+
+class TestClaimed:
+    """A leader that finds another node's claim on the step does not promote it."""
+
+    def test_the_leader_yields_to_another_nodes_claim(self, cluster: Callable[..., Job]) -> None:
+        job = cluster(2)
+        assert all(r["ok"] for r in job.begin_all(1).values())
+        for rank in (1, 2, 3):
+            assert job.write_and_done(1, rank)["ok"]
+        # Another node (an operator's ckptd promote there) claims the step first.
+        claim(RootConfig(path=str(job.root), real=str(job.root)), 1, "n9", "x")
+        assert job.write_and_done(1, 0)["ok"]
+        claimed = job.daemons[0].wait_event("checkpoint.claimed")
+        assert "node n9" in claimed["reason"]
+        assert job.wait(0, 1, timeout=0.5)["state"] == "pending"
+        assert not (job.root / "step_1").exists()
