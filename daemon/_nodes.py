@@ -30,7 +30,7 @@ from anyio.abc import TaskGroup
 
 from orchestrator import protocol as p
 
-from . import _attempts, _markers
+from . import _attempts, _fence, _markers
 from ._config import RootConfig
 from ._errors import RequestError
 from ._faults import crash_point
@@ -70,6 +70,8 @@ class Nodes:
         self._locks: dict[SaveKey, anyio.Lock] = {}
         self._done_written: set[tuple[SaveKey, str]] = set()
         self._pending: dict[SaveKey, int] = {}
+        self.promote: Callable[[SaveKey], None] | None = None
+        """Starts a promotion again (a leader whose rival claim went away)."""
 
     @property
     def node(self) -> str:
@@ -271,6 +273,12 @@ class Nodes:
                     return
                 if await self._learn(root, now):
                     return
+                if now.state is p.SaveState.VERIFYING and self.promote is not None:
+                    # A leader that yielded to another node's claim: if that node gave
+                    # up (its claim is gone, the directory still ours), promote it here.
+                    if not await self._run(root, _fence.claimed, root, key.step):
+                        self.promote(key)
+                        return
                 await wake()
 
     async def _learn(self, root: RootConfig, save: SaveRecord) -> bool:

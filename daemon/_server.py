@@ -112,6 +112,7 @@ class Daemon:
         self.nodes = Nodes(self, run=self._run_for, local_roots=self._local)
         """Saves that span nodes: the attempt agreed, markers written and watched."""
         self.promoter.claimed = self.nodes.follow_later
+        self.nodes.promote = self.promoter.start
 
     # -- effects -----------------------------------------------------------------------
 

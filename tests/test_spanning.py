@@ -432,3 +432,7 @@ class TestClaimed:
         assert "node n9" in claimed["reason"]
         assert job.wait(0, 1, timeout=0.5)["state"] == "pending"
         assert not (job.root / "step_1").exists()
+        # That node gives up (its claim goes): the leader promotes the step after all.
+        (job.root / "tmp_step_1" / ".ckptd-claim").unlink()
+        assert job.wait(0, 1)["state"] == "promoted"
+        assert job.wait(1, 1)["state"] == "promoted"
