@@ -31,7 +31,7 @@ from ._config import RootConfig
 from ._durable import fsync_dir
 from ._markers import CLAIM, now_iso
 
-__all__ = ["Claim", "ClaimedError", "claim", "pointer_lock", "release"]
+__all__ = ["Claim", "ClaimedError", "claim", "claimed", "pointer_lock", "release"]
 
 POINTER_LOCK: Final = ".ckptd-pointer.lock"
 _LOCK_WAIT: Final = 10.0
@@ -93,6 +93,11 @@ def release(root: RootConfig, step: int, node: str, attempt: str) -> None:
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+
+def claimed(root: RootConfig, step: int) -> bool:
+    """Whether ``tmp_step_N`` carries a claim (readable or not)."""
+    return os.path.lexists(os.path.join(root.tmp_dir(step), CLAIM))
 
 
 def _holder(path: str) -> Claim | None:

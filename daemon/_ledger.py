@@ -495,7 +495,13 @@ class Ledger(SpanningLedger):
         for record in save.ranks.values():
             record.lease_deadline = None
         save.gather_deadline = None
-        self._record(JRescue(key.root, key.step, now, save.attempt, save.world_size))
+        save.learned = False  # the operator's verdict replaces what was learned
+        save.fenced = save.fenced or world_size > 0 or save.spans
+        if save.world_size == 0:
+            save.world_size = world_size
+        self._record(
+            JRescue(key.root, key.step, now, save.attempt, save.world_size if save.fenced else 0)
+        )
         event = {
             "root": key.root,
             "step": key.step,

@@ -18,6 +18,7 @@ Every blocking call runs in the root's lane, so a hung mount delays only its roo
 
 from __future__ import annotations
 
+import errno
 import time
 from collections.abc import Awaitable, Callable, Collection, Coroutine
 from functools import partial
@@ -29,14 +30,15 @@ from anyio.abc import TaskGroup
 
 from orchestrator import protocol as p
 
-from . import _attempts, _markers
+from . import _attempts, _fence, _markers
 from ._config import RootConfig
 from ._errors import RequestError
+from ._faults import crash_point
 from ._host import Coordinating
 from ._markers import NodeMarker, Seen
-from ._saves import Effect, MarkNode, NodeFailed, SaveKey, SaveRecord, Watch
+from ._saves import Effect, MarkNode, NodeFailed, SaveKey, SaveRecord, Watch, ranges
 
-__all__ = ["Nodes"]
+__all__ = ["Nodes", "RescueMarkers", "rescue_markers"]
 
 _SAFETY_POLL: Final = 1.0
 """Seconds between looks even when watchfiles reports nothing (a missed event)."""
@@ -68,6 +70,8 @@ class Nodes:
         self._locks: dict[SaveKey, anyio.Lock] = {}
         self._done_written: set[tuple[SaveKey, str]] = set()
         self._pending: dict[SaveKey, int] = {}
+        self.promote: Callable[[SaveKey], None] | None = None
+        """Starts a promotion again (a leader whose rival claim went away)."""
 
     @property
     def node(self) -> str:
@@ -184,6 +188,10 @@ class Nodes:
         root = daemon.configured(key.root)
         files = {r: save.ranks[r].files for r in save.local_ranks()}
         with anyio.CancelScope(shield=True):
+            # After a restart the step may be settled already (our marker landed
+            # before the crash): learn that rather than judge a directory that moved.
+            if await self._learn(root, save):
+                return
             try:
                 problems = await self._run(root, _markers.check_files, root, key.step, files)
             except OSError as exc:
@@ -197,7 +205,11 @@ class Nodes:
             try:
                 async with self._lock(key):
                     await self._run(root, _markers.write_marker, root, key.step, marker)
+                crash_point("after_node_marker")
             except OSError as exc:
+                if exc.errno == errno.ESTALE:  # the directory moved on: learn where to
+                    await self.follow(root, save)
+                    return
                 reason = f"node {self.node}: marker not written: {exc.strerror or exc}"
                 await self._commit(daemon.ledger.rejected(key, reason, daemon.clock()))
                 return
@@ -245,7 +257,9 @@ class Nodes:
                             key, marker.node, attempt, marker.reason or "failed", now
                         )
                     else:
-                        save.writing_nodes.add(marker.node)
+                        effects += daemon.ledger.remote_writing(
+                            key, marker.node, attempt, marker.local_world_size, now
+                        )
                 if effects or daemon.ledger.pending_records():
                     await self._commit(effects)
                 await wake()
@@ -257,21 +271,34 @@ class Nodes:
             while (now := daemon.ledger.get(key)) is not None and now.attempt == attempt:
                 if now.state not in (p.SaveState.OPEN, p.SaveState.VERIFYING):
                     return
-                outcome = await self._run(root, _markers.read_outcome, root, key.step, attempt)
-                if isinstance(outcome, _markers.Outcome):
-                    promoted = outcome.state == "promoted"
-                    detail = outcome.detail
-                    if outcome.state == "superseded":
-                        detail = (
-                            f"the leader set attempt {attempt} aside; attempt {detail} "
-                            "owns the step's directory now"
-                        )
-                    effects = daemon.ledger.learned(
-                        key, attempt, promoted=promoted, detail=detail, now=daemon.clock()
-                    )
-                    await self._commit(effects)
+                if await self._learn(root, now):
                     return
+                if now.state is p.SaveState.VERIFYING and self.promote is not None:
+                    # A leader that yielded to another node's claim: if that node gave
+                    # up (its claim is gone, the directory still ours), promote it here.
+                    if not await self._run(root, _fence.claimed, root, key.step):
+                        self.promote(key)
+                        return
                 await wake()
+
+    async def _learn(self, root: RootConfig, save: SaveRecord) -> bool:
+        """Take the outcome of ``save``'s attempt if the shared directory has it."""
+        daemon, key, attempt = self._daemon, save.key, save.attempt
+        outcome = await self._run(root, _markers.read_outcome, root, key.step, attempt)
+        if not isinstance(outcome, _markers.Outcome):
+            return False
+        detail = outcome.detail
+        if outcome.state == "superseded":
+            detail = (
+                f"the leader set attempt {attempt} aside; attempt {detail} owns the step's "
+                "directory now"
+            )
+        promoted = outcome.state == "promoted"
+        effects = daemon.ledger.learned(
+            key, attempt, promoted=promoted, detail=detail, now=daemon.clock()
+        )
+        await self._commit(effects)
+        return True
 
     async def _failed(self, effect: NodeFailed) -> None:
         daemon, key = self._daemon, effect.key
@@ -408,3 +435,59 @@ class _Waker:
         except (OSError, RuntimeError):
             self._interval = _SAFETY_POLL / 4  # cannot watch it: poll instead
             self._changed.set()
+
+
+class RescueMarkers:
+    """The node markers that let ``ckptd promote`` promote a spanning step on any node.
+
+    Attributes:
+        world_size: The job's world size, as the markers say.
+        markers: The ``done`` markers to take (this node's own left out when its ranks
+            are in the ledger already).
+    """
+
+    def __init__(self, world_size: int, markers: list[NodeMarker]) -> None:
+        self.world_size = world_size
+        self.markers = markers
+
+    def files(self) -> dict[int, tuple[p.FileEntry, ...]]:
+        """Every rank the markers cover, with its files."""
+        return {r: tuple(es) for m in self.markers for r, es in m.ranks().items()}
+
+
+async def rescue_markers(
+    daemon: Coordinating, root: RootConfig, step: int, attempt: str, save: SaveRecord | None
+) -> RescueMarkers | None:
+    """For ``ckptd promote``: the markers of ``attempt`` in ``tmp_step_N``, if it spans nodes.
+
+    Returns:
+        None for a step with no node markers (promoted as a single node's).
+
+    Raises:
+        RequestError: (``unverifiable``) the markers do not cover every rank, or a node
+            reported a failure; the message says what is missing.
+    """
+    found = await daemon.lanes.run(root.path, _markers.read_markers, root, step, {}, abandon=True)
+    assert isinstance(found, list)
+    ours = [m for m in found if isinstance(m, NodeMarker) and m.attempt == attempt]
+    if not ours:
+        return None
+    world_size = ours[0].world_size
+    failed = [m for m in ours if m.state == "failed"]
+    if failed:
+        said = "; ".join(f"node {m.node}: {m.reason}" for m in failed)
+        raise RequestError(p.ErrorCode.UNVERIFIABLE, f"step {step} failed on a node: {said}")
+    local = set() if save is None else set(save.local_ranks())
+    done = [m for m in ours if m.state == "done" and not (local and m.node == daemon.config.node)]
+    covered = local | {r for m in done for r in m.ranks()}
+    missing = sorted(set(range(world_size)) - covered)
+    if missing:
+        writing = sorted(m.node for m in ours if m.state == "writing")
+        raise RequestError(
+            p.ErrorCode.UNVERIFIABLE,
+            f"step {step} spans nodes and ranks {ranges(missing)} have no node marker of "
+            f"attempt {attempt}"
+            + (f" (still writing: {', '.join(writing)})" if writing else "")
+            + "; their writes may not have landed",
+        )
+    return RescueMarkers(world_size, done)

@@ -86,7 +86,7 @@ class Promoter:
         lane = daemon.lanes[root.path]
         # A save that spans nodes is on a shared filesystem, renamed under a claim only
         # one node can hold, its pointer moved under a lock every node honours.
-        fence = (daemon.config.node, save.attempt) if save.spans else None
+        fence = (daemon.config.node, save.attempt) if save.spans or save.fenced else None
         try:
             if resumed and await lane.run(_renamed, root, key.step):
                 # The rename happened before the restart: finish, never redo it.

@@ -136,9 +136,13 @@ def snapshot(saves: Iterable[SaveRecord]) -> list[JournalRecord]:
             for r, rec in ranks
             if rec.state is RankState.FAILED and rec.reason is not None
         ]
-        out += _spanning_records(save)
+        if save.marked:
+            out.append(JNodeMarked(root, step, save.attempt, save.first_begin))
         if save.rescued:  # after the ranks' records, whose failure it overrode
-            out.append(JRescue(root, step, save.first_begin, save.attempt, save.world_size))
+            spanning = save.world_size if save.fenced else 0
+            out.append(JRescue(root, step, save.first_begin, save.attempt, spanning))
+        # A rescue takes the other nodes' markers after it, a leader before its outcome.
+        out += _remote_records(save)
         failed_rank = any(r.state is RankState.FAILED for r in save.ranks.values())
         if save.learned:
             detail = (save.path if save.state is SaveState.PROMOTED else save.reason) or ""
@@ -158,12 +162,10 @@ def snapshot(saves: Iterable[SaveRecord]) -> list[JournalRecord]:
     return out
 
 
-def _spanning_records(save: SaveRecord) -> list[JournalRecord]:
-    """The node marker and the other nodes' markers of a save that spans nodes."""
+def _remote_records(save: SaveRecord) -> list[JournalRecord]:
+    """The other nodes' markers a leader (or a rescue) took."""
     root, step = save.key
     out: list[JournalRecord] = []
-    if save.marked:
-        out.append(JNodeMarked(root, step, save.attempt, save.first_begin))
     nodes: dict[str, list[int]] = {}
     for rank, rec in sorted(save.ranks.items()):
         if rec.node is not None:

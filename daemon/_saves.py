@@ -155,6 +155,10 @@ class SaveRecord:
     """When the leader fails the save if other nodes' markers are still missing."""
     learned: bool = False
     """Its outcome was read from the shared directory (a node other than the leader)."""
+    fenced: bool = False
+    """Promoted under the shared-root fences (a spanning step rescued by an operator)."""
+    declared: dict[str, int] = field(default_factory=dict)
+    """Each other node's local world size, as its markers said (the leader)."""
     writing_nodes: set[str] = field(default_factory=set)
     """Nodes whose marker says they are writing (the leader; not journaled)."""
 

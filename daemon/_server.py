@@ -34,7 +34,7 @@ from ._journal import Journal, JournalRecord
 from ._lanes import Lanes
 from ._ledger import Effect, Emit, Ledger, SaveKey, SaveRecord, SetAside, Settled, Verify
 from ._mounts import is_local, mount_table
-from ._nodes import Nodes
+from ._nodes import Nodes, rescue_markers
 from ._owners import AttemptDirs
 from ._paths import check_relative, check_tmp_dir
 from ._promoter import LocalStorage, Storage, latest_promoted
@@ -112,6 +112,7 @@ class Daemon:
         self.nodes = Nodes(self, run=self._run_for, local_roots=self._local)
         """Saves that span nodes: the attempt agreed, markers written and watched."""
         self.promoter.claimed = self.nodes.follow_later
+        self.nodes.promote = self.promoter.start
 
     # -- effects -----------------------------------------------------------------------
 
@@ -298,6 +299,7 @@ class Daemon:
                         for r in self.config.roots
                     ],
                     stalled=self.lanes.stalled(only),
+                    node=self.config.node,
                 )
             case p.Latest(root=root_path):
                 root = self.configured(root_path)
@@ -480,6 +482,11 @@ class Daemon:
             attempt = save.attempt if save is not None else ""
             if save is None and marker is not None:
                 attempt = marker.attempt  # a step no journal knows: its directory says whose
+            # A step that spans nodes is promoted from its node markers, if they cover it.
+            nodes = await rescue_markers(self, root, step, attempt, save)
+            if nodes is not None:
+                world_size = nodes.world_size
+                reported = {**reported, **nodes.files()}
             try:
                 manifest = await self.lanes.run(
                     root.path, scan_save, root, step, world_size, reported, attempt, abandon=True
@@ -492,7 +499,13 @@ class Daemon:
                 f"{root.tmp_dir(step)} holds no DCP directory (*.distcp with .metadata): "
                 "nothing on disk proves the step complete",
             )
-        await self.commit(self.ledger.rescue(key, self.clock(), attempt=attempt))
+        spanning = 0 if nodes is None else nodes.world_size
+        effects = self.ledger.rescue(key, self.clock(), attempt=attempt, world_size=spanning)
+        if nodes is not None:
+            for m in nodes.markers:
+                files = m.ranks()
+                self.ledger.remote_done(key, m.node, attempt, len(files), files, self.clock())
+        await self.commit(effects)
         wait = p.Wait(id=request_id, root=root.path, step=step, timeout=wait_s)
         return await self.settled(wait, root)
 
@@ -532,6 +545,7 @@ class Daemon:
                 bytes=sum(f.size for f in rec.files),
                 lease_s=None if rec.lease_deadline is None else round(rec.lease_deadline - now, 3),
                 reason=rec.reason,
+                node=rec.node,
             )
             for rank, rec in sorted(save.ranks.items())
         ]
@@ -546,6 +560,9 @@ class Daemon:
             reason=save.reason,
             attempt=save.attempt or None,
             set_aside=save.set_aside,
+            local_world_size=save.local_world_size if save.spans else None,
+            role=("leader" if save.leader else "node") if save.spans else None,
+            marked=save.marked,
         )
 
 

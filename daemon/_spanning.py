@@ -112,6 +112,8 @@ class SpanningLedger:
         save = self._saves.get(key)
         if save is None or save.marked or not save.spans or save.state is not SaveState.OPEN:
             return []
+        if not save.locally_done():
+            return []  # only the marker of a node whose ranks are all done counts
         save.marked = True
         self._record(JNodeMarked(key.root, key.step, save.attempt, now))
         effects: list[Effect] = [
@@ -213,15 +215,33 @@ class SpanningLedger:
                 f"node {node} said it has {local_world_size} ranks but reports "
                 f"{len(files)} ({ranges(sorted(files))})"
             )
-        # Each node's ranks number its local world size (checked as each marker came).
-        remote = sum(1 for rec in save.ranks.values() if rec.node is not None)
-        total = save.local_world_size + remote + local_world_size
+        return self._oversized(save, node, local_world_size)
+
+    def _oversized(self, save: SaveRecord, node: str, local_world_size: int) -> str | None:
+        """Whether the nodes' local world sizes add up to more than ``world_size``."""
+        save.declared[node] = local_world_size
+        total = save.local_world_size + sum(save.declared.values())
         if total > save.world_size:
+            sizes = ", ".join(f"{n} {k}" for n, k in sorted(save.declared.items()))
             return (
-                f"the nodes' local world sizes add up to {total}, more than world_size "
-                f"{save.world_size}"
+                f"the nodes' local world sizes cannot add up to world_size "
+                f"{save.world_size}: the leader {save.local_world_size}, {sizes}"
             )
         return None
+
+    def remote_writing(
+        self, key: SaveKey, node: str, attempt: str, local_world_size: int, now: float
+    ) -> list[Effect]:
+        """The leader read node ``node``'s ``writing`` marker; its size is checked.
+
+        Not journaled: it only names the node if it is still missing at ``node_timeout``.
+        """
+        save = self._saves.get(key)
+        if save is None or attempt != save.attempt or save.state is not SaveState.OPEN:
+            return []
+        save.writing_nodes.add(node)
+        problem = self._oversized(save, node, local_world_size)
+        return [] if problem is None else self._fail_save(save, problem, now)
 
     def remote_failed(
         self, key: SaveKey, node: str, attempt: str, reason: str, now: float

@@ -356,6 +356,8 @@ class RankInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     bytes: int = 0
     lease_s: float | None = None
     reason: str | None = None
+    node: str | None = None
+    """The node whose marker reported this rank (the leader of a spanning save)."""
 
 
 class SaveInfo(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -372,6 +374,13 @@ class SaveInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     attempt: str | None = None
     set_aside: str | None = None
     """Where a failed attempt's files were moved (inside the root's trash)."""
+    local_world_size: int | None = None
+    """For a save that spans nodes: the job's ranks on this node."""
+    role: Literal["leader", "node"] | None = None
+    """For a save that spans nodes: whether this daemon promotes it (the leader, serving
+    rank 0) or learns its outcome from the shared directory."""
+    marked: bool = False
+    """For a save that spans nodes: this node's marker is durable."""
 
 
 class RootInfo(msgspec.Struct, frozen=True):
@@ -425,6 +434,8 @@ class StatusReply(_Reply, frozen=True, kw_only=True):
     """Steps that pending waits wait for (what they cost the daemon's memory)."""
     stalled: list[StallInfo] = []
     """Roots (and the journal) reported stalled (``root.stalled``) and not yet recovered."""
+    node: str = ""
+    """This daemon's node name (``--node``)."""
 
 
 class LatestReply(_Reply, frozen=True, kw_only=True):
