@@ -216,7 +216,19 @@ class _Cluster:
         waiting = (_cpu_s(pid) - before) / window
         self.done(step, range(1, len(self.ranks)))
         self.promoted(step)
+        self.everyone_knows(step)
         return quiet, waiting
+
+    def everyone_knows(self, step: int) -> None:
+        """Every other node has learned the outcome (so each stops at once when asked)."""
+        waits = [
+            (w, w.send("wait", root=str(self.root), step=step, timeout=300)) for w in self.waiters
+        ]
+        for conn, rid in waits:
+            while (reply := conn.recv()).get("id") != rid:
+                pass
+            if reply.get("state") != "promoted":
+                raise RuntimeError(f"a node's wait for step {step}: {reply}")
 
 
 def run(

@@ -420,3 +420,74 @@ class TestPromoteWithoutLeader:
         assert "4-5" in out or "n2" in out, out
         assert not (nodes.backing_root / "step_1").exists()
         assert (nodes.backing_root / "tmp_step_1" / "rank0.bin").exists()  # nothing lost
+
+
+class TestShutdown:
+    """Every node's daemon stops on SIGTERM once its spanning saves have settled."""
+
+    @pytest.fixture(params=["poll", "inotify"])
+    def watched(
+        self, request: pytest.FixtureRequest, make_cluster: MakeCluster
+    ) -> Iterator[tuple[Cluster, Job]]:
+        """Three nodes of 2 ranks, the root watched as ``watch`` says."""
+        nodes = make_cluster(3)
+        settings = {"node_timeout": NODE_TIMEOUT}
+        nodes.start_daemons(settings=settings, root_settings={"watch": request.param})
+        job = Job(list(nodes), nodes.root, 2)
+        try:
+            yield nodes, job
+        finally:
+            job.close()
+
+    def test_sigterm_after_a_promoted_step(self, watched: tuple[Cluster, Job]) -> None:
+        nodes, job = watched
+        job.begin(1)
+        job.save(1)
+        settles_everywhere(nodes, 1, "promoted")
+        job.close()
+        for node in reversed(list(nodes)):
+            daemon = the_daemon(node)
+            code = daemon.stop(signal.SIGTERM, timeout=20.0)
+            assert code == 0, (node.name, code)
+
+    def test_sigterm_after_the_leader_marked_first(self, watched: tuple[Cluster, Job]) -> None:
+        nodes, job = watched
+        job.begin(1)
+        job.save(1, job.on(nodes[0]))
+        marked(nodes.backing_root, 1, "n0")  # the leader waits for the others' markers
+        job.save(1, job.on(nodes[1]) + job.on(nodes[2]))
+        settles_everywhere(nodes, 1, "promoted")
+        job.close()
+        for node in reversed(list(nodes)):
+            daemon = the_daemon(node)
+            code = daemon.stop(signal.SIGTERM, timeout=20.0)
+            assert code == 0, (node.name, code)
+
+    def test_followers_learn_unasked_then_stop(self, watched: tuple[Cluster, Job]) -> None:
+        nodes, job = watched
+        job.begin(1)
+        job.save(1, job.on(nodes[0]))
+        marked(nodes.backing_root, 1, "n0")
+        job.save(1, job.on(nodes[1]) + job.on(nodes[2]))
+        job.close()
+        # No wait is asked of anyone: each node's own stdout says the step is promoted.
+        for node in nodes:
+            the_daemon(node).wait_event(
+                "checkpoint.promoted", 20.0, match=lambda e: e.get("step") == 1
+            )
+        for node in reversed(list(nodes)):
+            code = the_daemon(node).stop(signal.SIGTERM, timeout=20.0)
+            assert code == 0, (node.name, code)
+
+    def test_sigterm_while_a_follower_waits_for_the_outcome(
+        self, watched: tuple[Cluster, Job]
+    ) -> None:
+        nodes, job = watched
+        job.begin(1)
+        job.save(1, job.on(nodes[0]) + job.on(nodes[1]))
+        marked(nodes.backing_root, 1, "n1")  # n1 now follows the step's outcome
+        code = the_daemon(nodes[1]).stop(signal.SIGTERM, timeout=20.0)
+        assert code == 0, code
+        nodes[1].restart_daemon()
+        job.save(1, job.on(nodes[2]))
+        settles_everywhere(nodes, 1, "promoted")
