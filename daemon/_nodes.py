@@ -36,7 +36,7 @@ from ._errors import RequestError
 from ._faults import crash_point
 from ._host import Coordinating
 from ._markers import NodeMarker, Seen
-from ._saves import Effect, MarkNode, NodeFailed, SaveKey, SaveRecord, Watch, ranges
+from ._saves import Effect, Holds, MarkNode, NodeFailed, SaveKey, SaveRecord, Watch, ranges
 
 __all__ = ["Nodes", "RescueMarkers", "rescue_markers"]
 
@@ -69,7 +69,7 @@ class Nodes:
         self._begun: dict[SaveKey, anyio.Event] = {}
         self._locks: dict[SaveKey, anyio.Lock] = {}
         self._done_written: set[tuple[SaveKey, str]] = set()
-        self._pending: dict[SaveKey, int] = {}
+        self._pending = Holds()
         self.promote: Callable[[SaveKey], None] | None = None
         """Starts a promotion again (a leader whose rival claim went away)."""
 
@@ -165,7 +165,7 @@ class Nodes:
                 self._watching.add(effect.key)
                 self._spawn(self._watch, effect.key)
         else:
-            self._pending[effect.key] = self._pending.get(effect.key, 0) + 1
+            self._pending.hold(effect.key)
             self._spawn(self._failed, effect)
 
     def _spawn(self, fn: Callable[..., Coroutine[Any, Any, None]], *args: object) -> None:
@@ -317,11 +317,7 @@ class Nodes:
                     await self.write_verdict(root, key, effect.attempt, effect.reason)
                     await daemon.attempt_dirs.set_aside(key, effect.attempt)
         finally:
-            left = self._pending[key] - 1
-            if left:
-                self._pending[key] = left
-            else:
-                del self._pending[key]
+            self._pending.release(key)
             daemon.apply(effect.then)
 
     async def write_verdict(
