@@ -34,7 +34,8 @@ from ._journal import Journal, JournalRecord
 from ._lanes import Lanes
 from ._ledger import Effect, Emit, Ledger, SaveKey, SaveRecord, SetAside, Settled, Verify
 from ._mounts import is_local, mount_table
-from ._nodes import Nodes, rescue_markers
+from ._node_rescue import rescue_markers
+from ._nodes import Nodes
 from ._owners import AttemptDirs
 from ._paths import check_relative, check_tmp_dir
 from ._promoter import LocalStorage, Storage, latest_promoted
