@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from orchestrator.protocol import default_socket_path
@@ -120,6 +120,12 @@ class Config:
     fs_stall_after: float = 30.0
     """Seconds a filesystem call for a root (or a journal write) may run before the
     daemon reports the root (``root.stalled``) or the journal (``journal.stalled``)."""
+    metrics_listen: str = ""
+    """``HOST:PORT`` to serve Prometheus metrics on over HTTP (``:9464``: every address;
+    ``[::1]:9464``: IPv6); empty: no HTTP listener."""
+    metrics_textfile: str = ""
+    """Path of a node_exporter textfile (``*.prom``) the metrics are written to, by an
+    atomic rename; empty: none."""
 
     def __post_init__(self) -> None:
         if not self.roots:
@@ -164,6 +170,7 @@ class Config:
                 f"socket path {self.socket!r} is empty or longer than the 107 bytes AF_UNIX "
                 "allows; choose a shorter path"
             )
+        _check_metrics(self.metrics_listen, self.metrics_textfile)
 
     def root_for(self, path: str) -> RootConfig | None:
         """The configured root a request names, by its configured or its resolved path."""
@@ -184,6 +191,7 @@ def load_config(
     allow_uids: list[int] | None = None,
     allow_gids: list[int] | None = None,
     env: dict[str, str] | None = None,
+    metrics_listen: str | None = None,
 ) -> Config:
     """Merge defaults, the TOML file, the environment and flags (later wins).
 
@@ -216,6 +224,8 @@ def load_config(
         "event_loop",
         "root_threads",
         "fs_stall_after",
+        "metrics_listen",
+        "metrics_textfile",
     }
     unknown = sorted(set(data) - known)
     if unknown:
@@ -242,11 +252,45 @@ def load_config(
     flags = {"socket": socket, "lease": lease, "log_level": log_level, "state_dir": state_dir}
     if state_dir is not None:
         flags["state_dir"] = os.path.abspath(state_dir)
+    flags["metrics_listen"] = metrics_listen
     kwargs.update({k: v for k, v in flags.items() if v is not None})
     try:
         return Config(roots=built, **kwargs)
     except TypeError as exc:
         raise ConfigError(f"bad value in {config_file}: {exc}") from exc
+
+
+def _check_metrics(listen: str, textfile: str) -> None:
+    """Validate ``metrics_listen`` and ``metrics_textfile``.
+
+    Raises:
+        ConfigError: naming the field and the form it takes.
+    """
+    if listen:
+        parse_listen(listen)
+    if textfile and (not os.path.isabs(textfile) or not textfile.endswith(".prom")):
+        raise ConfigError(
+            f"metrics_textfile {textfile!r} must be an absolute path ending in .prom (the "
+            "name node_exporter's textfile collector reads), e.g. "
+            "/var/lib/node_exporter/textfile/ckptd.prom"
+        )
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``:PORT`` for every address, ``[V6]:PORT``) as ``(host, port)``.
+
+    Raises:
+        ConfigError: ``text`` is not of that form.
+    """
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535 or "[" in host:
+        raise ConfigError(
+            f"metrics_listen {text!r} must be HOST:PORT, e.g. 127.0.0.1:9464, :9464 (every "
+            "address) or [::1]:9464"
+        )
+    return host or "0.0.0.0", int(port)
 
 
 def _root(table: dict[str, Any], source: str | None) -> RootConfig:
@@ -256,6 +300,12 @@ def _root(table: dict[str, Any], source: str | None) -> RootConfig:
     if not os.path.isdir(path):
         raise ConfigError(f"root {path} is not an existing directory; create it first")
     extra = {k: v for k, v in table.items() if k != "path"}
+    options = {f.name for f in fields(RootConfig)} - {"path", "real", "named"}
+    if set(extra) - options:
+        raise ConfigError(
+            f"unknown keys in [[roots]] {path} of {source}: {sorted(set(extra) - options)}; "
+            f"known: {sorted(options | {'path'})}"
+        )
     real = os.path.realpath(path)
     named = path if real != path else ""
     try:
