@@ -99,15 +99,19 @@ class Reloader:
         if problem is not None:
             return self._failed(problem)
         if plan.empty:
-            daemon.events.emit("config.reloaded", **summary(plan))
+            daemon.events.emit("config.reloaded", **summary(plan), unscanned=[])
             return True
         self._apply(plan)
-        daemon.events.emit("config.reloaded", **summary(plan))
-        if plan.added:
-            await scan_roots(daemon, plan.added)  # writes each one's layout file too
+        unscanned: list[str] = []
+        if plan.added:  # each one's layout file too; a hung root is scanned on later
+            unscanned = (await scan_roots(daemon, plan.added))[2]
         for change in plan.changed:
             if change.layout:
                 await self._rewrite_layout(change.new)
+        daemon.events.emit("config.reloaded", **summary(plan), unscanned=unscanned)
+        # Last, so that the event above is logged at the level it was asked at.
+        if "log_level" in plan.live and set_log_level(plan.config.log_level):
+            daemon.events.relog()
         return True
 
     def _failed(self, error: str) -> bool:
@@ -137,8 +141,6 @@ class Reloader:
                 daemon.retiring[root.path] = root
                 self._group.start_soon(self._retire, root)
         daemon.config = plan.config
-        if "log_level" in plan.live and set_log_level(plan.config.log_level):
-            daemon.events.relog()
 
     async def _retire(self, root: RootConfig) -> None:
         """Forget ``root`` once its last save in flight has settled."""

@@ -1,0 +1,190 @@
+"""Operating the daemon: ``--version``, ``check-config``, ``health`` probes, SIGUSR1 dumps."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from daemon._server import VERSION
+from daemon.cli import main
+from tests._fuse import bindfs_mount
+from tests.conftest import REPO, DaemonProcess, LineClient
+
+TIMEOUT = 15.0
+STALL = 0.5
+"""``fs_stall_after`` where a test hangs a filesystem: half a second is a stall."""
+
+Start = Callable[..., DaemonProcess]
+
+
+def run_cli(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "daemon", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        check=False,
+    )
+
+
+def write_config(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+class TestVersion:
+    """``ckptd --version`` prints the installed version."""
+
+    def test_prints_version(self) -> None:
+        result = run_cli("--version")
+        assert result.returncode == 0
+        assert result.stdout.strip() == f"ckptd {VERSION}"
+
+
+class TestCheckConfig:
+    """``ckptd check-config FILE``: 0 and a summary, or 2 naming the field and the fix."""
+
+    def test_valid_file(
+        self, tmp_path: Path, root: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        cfg = write_config(
+            tmp_path / "c.toml",
+            f'state_dir = "{tmp_path}/state"\nmetrics_listen = "127.0.0.1:9464"\n'
+            f'[[roots]]\npath = "{root}"\npointer = "newest"\n',
+        )
+        assert main(["check-config", str(cfg)]) == 0
+        out = capsys.readouterr().out
+        assert "configuration OK" in out
+        assert f"{root}: tmp_step_N -> step_N, pointer newest" in out
+        assert "metrics_listen: 127.0.0.1:9464" in out
+
+    @pytest.mark.parametrize(
+        ("body", "expected"),
+        [
+            ("lease = -1\n", "lease must be > 0"),
+            ("leese = 3\n", "unknown keys"),
+            ('metrics_listen = "localhost"\n', "metrics_listen 'localhost' must be HOST:PORT"),
+            ('metrics_textfile = "rel.txt"\n', "metrics_textfile 'rel.txt' must be an absolute"),
+            ("[[roots]]\npath = 3\n[[roots]\n", "not valid TOML"),
+            ('log_level = "loud"\n', "log_level must be one of"),
+        ],
+    )
+    def test_invalid_file_names_the_field(
+        self,
+        tmp_path: Path,
+        root: Path,
+        capsys: pytest.CaptureFixture[str],
+        body: str,
+        expected: str,
+    ) -> None:
+        roots = f'\n[[roots]]\npath = "{root}"\n' if "[[roots]]" not in body else ""
+        cfg = write_config(tmp_path / "c.toml", f'state_dir = "{tmp_path}/s"\n{body}{roots}')
+        assert main(["check-config", str(cfg)]) == 2
+        assert expected in capsys.readouterr().err
+
+    def test_unknown_root_key(
+        self, tmp_path: Path, root: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        cfg = write_config(tmp_path / "c.toml", f'[[roots]]\npath = "{root}"\ntmp_prefx = "t_"\n')
+        assert main(["check-config", str(cfg)]) == 2
+        err = capsys.readouterr().err
+        assert "unknown keys in [[roots]]" in err and "tmp_prefx" in err and "tmp_prefix" in err
+
+    def test_as_a_subprocess(self, tmp_path: Path) -> None:
+        cfg = write_config(tmp_path / "c.toml", 'socket = "/tmp/x.sock"\n')
+        result = run_cli("check-config", str(cfg))
+        assert result.returncode == 2
+        assert "no checkpoint root configured" in result.stderr
+
+
+class TestHealth:
+    """``ckptd health`` exits 0 only if the daemon answers and its journal can be written."""
+
+    def test_healthy_daemon(self, start: Start, root: Path) -> None:
+        daemon = start([root])
+        result = run_cli("health", "--socket", str(daemon.socket_path))
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == f"ckptd {VERSION}: healthy"
+
+    def test_no_daemon(self, short_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        assert main(["health", "--socket", str(short_dir / "none.sock")]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("ckptd: unhealthy: ") and "No such file" in err
+        assert err.count("\n") == 1
+
+    def test_hung_journal_is_unhealthy(
+        self, start: Start, tmp_path: Path, root: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        backing = tmp_path / "state-backing"
+        backing.mkdir()
+        cfg = write_config(tmp_path / "c.toml", f"fs_stall_after = {STALL}\n")
+        with bindfs_mount(backing, tmp_path / "state") as fs:
+            daemon = start([root], "--state-dir", str(fs.mount), "--config", str(cfg))
+            sock = str(daemon.socket_path)
+            assert main(["health", "--socket", sock]) == 0
+            fs.stop()
+            with LineClient(daemon.socket_path, timeout=TIMEOUT) as writer:
+                writer.send_raw(
+                    b'{"op":"begin","id":1,"root":"%s","step":1,"rank":0,"world_size":1}\n'
+                    % str(root).encode()
+                )
+                daemon.wait_event("journal.stalled", TIMEOUT)
+                assert main(["health", "--socket", sock]) == 1
+                err = capsys.readouterr().err
+                assert "unhealthy: a journal write has not returned for" in err
+                fs.cont()
+                assert writer.recv()["ok"] is True
+            daemon.wait_event("journal.recovered", TIMEOUT)
+            assert main(["health", "--socket", sock]) == 0
+
+    def test_hung_checkpoint_root_stays_healthy(
+        self, start: Start, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        backing = tmp_path / "root-backing"
+        backing.mkdir()
+        cfg = write_config(tmp_path / "c.toml", f"fs_stall_after = {STALL}\n")
+        with bindfs_mount(backing, tmp_path / "root") as fs:
+            daemon = start([fs.mount], "--config", str(cfg))
+            fs.stop()
+            with LineClient(daemon.socket_path, timeout=TIMEOUT) as asker:
+                asker.send_raw(b'{"op":"latest","id":1,"root":"%s"}\n' % str(fs.mount).encode())
+                daemon.wait_event("root.stalled", TIMEOUT)
+                assert main(["health", "--socket", str(daemon.socket_path)]) == 0
+                fs.cont()
+                assert asker.recv()["id"] == 1
+        assert "healthy" in capsys.readouterr().out
+
+    def test_health_request_on_the_wire(self, start: Start, root: Path) -> None:
+        daemon = start([root])
+        with LineClient(daemon.socket_path, timeout=TIMEOUT) as client:
+            reply = client.request("health")
+        assert reply == {"id": 1, "ok": True, "version": VERSION, "healthy": True, "problem": None}
+
+
+class TestStackDump:
+    """SIGUSR1 writes every thread's stack to stderr; the daemon goes on serving."""
+
+    def test_sigusr1_dumps_all_threads(self, start: Start, root: Path) -> None:
+        daemon = start([root])  # its stderr is merged into the events it reads
+        assert daemon.proc is not None
+        daemon.proc.send_signal(signal.SIGUSR1)
+        header = daemon.wait_event(
+            "_stdout", TIMEOUT, lambda e: "most recent call first" in e["line"]
+        )
+        assert header["line"].startswith(("Thread 0x", "Current thread 0x"))
+        main_thread = daemon.wait_event(
+            "_stdout", TIMEOUT, lambda e: e["line"].startswith("Current thread 0x")
+        )
+        assert main_thread  # the event loop's thread: its frames follow, down to the CLI
+        daemon.wait_event("_stdout", TIMEOUT, lambda e: "daemon/cli.py" in e["line"])
+        with LineClient(daemon.socket_path, timeout=TIMEOUT) as client:
+            assert client.request("ping")["ok"] is True
+        threads = [e for e in daemon.drain() if "most recent call first" in e.get("line", "")]
+        assert len(threads) >= 2  # the event loop's and the stdout writer's, at least
+        assert daemon.stop() == 0
