@@ -64,7 +64,7 @@ class Prometheus:
     def wait_ready(self, timeout: float = TIMEOUT) -> None:
         """Until it logs that it serves its API (it says so once, on stderr)."""
         deadline = time.monotonic() + timeout
-        seen = []
+        seen: list[str] = []
         while (left := deadline - time.monotonic()) > 0:
             try:
                 line = self.lines.get(timeout=left)
