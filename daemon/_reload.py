@@ -17,9 +17,21 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Final
 
-from ._config import Config, RootConfig
+from orchestrator import protocol as p
 
-__all__ = ["LAYOUT", "LIVE", "ReloadPlan", "RootChange", "plan_reload", "refusal", "summary"]
+from ._config import Config, RootConfig
+from ._errors import RequestError
+
+__all__ = [
+    "LAYOUT",
+    "LIVE",
+    "ReloadPlan",
+    "RootChange",
+    "plan_reload",
+    "refusal",
+    "reloaded_root_check",
+    "summary",
+]
 
 LIVE: Final = frozenset(
     {
@@ -131,6 +143,32 @@ def refusal(plan: ReloadPlan, in_flight: Mapping[str, int]) -> str | None:
                 "they have settled"
             )
     return None
+
+
+def reloaded_root_check(
+    config: Config, retiring: Mapping[str, RootConfig], root: RootConfig
+) -> None:
+    """Refuse a new save in ``root`` if a reload removed it, or renamed its directories.
+
+    Called by ``begin`` after its last ``await`` before the save is recorded: ``root``
+    was looked up when the request came in, and a reload may have run since.
+
+    Raises:
+        RequestError: ``root_not_configured`` (removed) or ``invalid_state`` (renamed).
+    """
+    current = config.root_for(root.path)
+    if current is None or root.path in retiring:
+        raise RequestError(
+            p.ErrorCode.ROOT_NOT_CONFIGURED,
+            f"{root.path} was removed from the configuration; saves in flight there "
+            "finish, new saves are refused",
+        )
+    if any(getattr(current, name) != getattr(root, name) for name in LAYOUT):
+        raise RequestError(
+            p.ErrorCode.INVALID_STATE,
+            f"a configuration reload changed the directory names of {root.path} while this "
+            "begin was served; retry",
+        )
 
 
 def summary(plan: ReloadPlan) -> dict[str, object]:

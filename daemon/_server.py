@@ -39,6 +39,7 @@ from ._owners import AttemptDirs
 from ._paths import check_relative, check_tmp_dir
 from ._promoter import LocalStorage, Storage, latest_promoted
 from ._promotion import Promoter
+from ._reload import reloaded_root_check
 from ._trash import TrashRemover
 from ._verify import scan_save
 
@@ -378,12 +379,6 @@ class Daemon:
             RequestError: too many saves in flight, gc is removing the step, or its
                 directories are unusable.
         """
-        if root.path in self.retiring:
-            raise RequestError(
-                p.ErrorCode.ROOT_NOT_CONFIGURED,
-                f"{root.path} was removed from the configuration; saves in flight there "
-                "finish, new saves are refused",
-            )
         if self.ledger.unsettled >= self.config.max_open_saves:
             raise RequestError(
                 p.ErrorCode.TOO_BUSY,
@@ -397,6 +392,7 @@ class Daemon:
             check_tmp_dir(root, key.step)  # two lstats on a local disk: not worth a thread
         else:
             await self.lanes.run(root.path, check_tmp_dir, root, key.step, abandon=True)
+        reloaded_root_check(self.config, self.retiring, root)  # after the last await
 
     async def settled(self, request: p.Wait, root: RootConfig) -> p.WaitReply:
         """The reply to ``wait``, once the step settles or ``request.timeout`` passes."""

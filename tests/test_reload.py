@@ -13,7 +13,9 @@ from typing import Any
 import pytest
 
 from daemon._config import Config, RootConfig
-from daemon._reload import LIVE, plan_reload, refusal, summary
+from daemon._errors import RequestError
+from daemon._reload import LIVE, plan_reload, refusal, reloaded_root_check, summary
+from orchestrator.protocol import ErrorCode
 from tests.conftest import DaemonProcess, LineClient
 
 TIMEOUT = 15.0
@@ -82,6 +84,26 @@ class TestPlan:
         problem = refusal(plan, {a.path: 2})
         assert problem is not None and "tmp_prefix cannot change while 2 save(s)" in problem
         assert refusal(plan, {}) is None
+
+
+class TestBeginAcrossAReload:
+    """A begin that looked its root up before a reload is checked again before it lands."""
+
+    def test_removed_or_renamed_root_refused(self, tmp_path: Path) -> None:
+        a, b = root_config(tmp_path / "a"), root_config(tmp_path / "b")
+        now = config(tmp_path, a)
+        reloaded_root_check(now, {}, a)  # unchanged: admitted
+        with pytest.raises(RequestError) as removed:
+            reloaded_root_check(now, {}, b)
+        assert removed.value.code is ErrorCode.ROOT_NOT_CONFIGURED
+        with pytest.raises(RequestError) as retiring:
+            reloaded_root_check(config(tmp_path, a, b), {b.path: b}, b)
+        assert retiring.value.code is ErrorCode.ROOT_NOT_CONFIGURED
+        renamed = config(tmp_path, dataclasses.replace(a, final_prefix="ckpt_"))
+        with pytest.raises(RequestError) as changed:
+            reloaded_root_check(renamed, {}, a)
+        assert changed.value.code is ErrorCode.INVALID_STATE
+        reloaded_root_check(config(tmp_path, dataclasses.replace(a, named="/x")), {}, a)
 
 
 # -- a real daemon -----------------------------------------------------------------------
