@@ -9,6 +9,7 @@ from typing import Any
 
 from orchestrator.protocol import default_socket_path
 
+from ._config_types import check_types
 from ._errors import ConfigError
 
 __all__ = ["Config", "RootConfig", "default_socket_path", "default_state_dir", "load_config"]
@@ -230,6 +231,7 @@ def load_config(
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"unknown keys in {config_file}: {unknown}; known: {sorted(known)}")
+    check_types(Config, data, config_file or "the configuration")
 
     root_tables: list[dict[str, Any]] = list(data.get("roots", []))
     root_tables += [{"path": r} for r in roots or []]
@@ -299,6 +301,7 @@ def _root(table: dict[str, Any], source: str | None) -> RootConfig:
     path = os.path.abspath(os.path.expanduser(str(table["path"])))
     if not os.path.isdir(path):
         raise ConfigError(f"root {path} is not an existing directory; create it first")
+    check_types(RootConfig, table, f"[[roots]] {table['path']} of {source}")
     extra = {k: v for k, v in table.items() if k != "path"}
     options = {f.name for f in fields(RootConfig)} - {"path", "real", "named"}
     if set(extra) - options:

@@ -73,6 +73,12 @@ class TestCheckConfig:
             ('metrics_textfile = "rel.txt"\n', "metrics_textfile 'rel.txt' must be an absolute"),
             ("[[roots]]\npath = 3\n[[roots]\n", "not valid TOML"),
             ('log_level = "loud"\n', "log_level must be one of"),
+            ('lease = "30"\n', "/c.toml must be a number, got string '30'"),
+            ("allowed_uids = 5\n", "/c.toml must be an array, got integer 5"),
+            ('allowed_uids = ["a"]\n', "/c.toml must be an array of integers"),
+            ("save_timeout = true\n", "/c.toml must be a number, got boolean"),
+            ("metrics_listen = 9464\n", "/c.toml must be a string"),
+            ("roots = 3\n", "/c.toml must be an array, got integer 3"),
         ],
     )
     def test_invalid_file_names_the_field(
@@ -83,10 +89,20 @@ class TestCheckConfig:
         body: str,
         expected: str,
     ) -> None:
-        roots = f'\n[[roots]]\npath = "{root}"\n' if "[[roots]]" not in body else ""
+        roots = f'\n[[roots]]\npath = "{root}"\n' if "roots" not in body else ""
         cfg = write_config(tmp_path / "c.toml", f'state_dir = "{tmp_path}/s"\n{body}{roots}')
         assert main(["check-config", str(cfg)]) == 2
-        assert expected in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert expected in err
+        if not body.startswith("[["):
+            assert body.split(" ")[0] in err  # the message names the setting
+
+    def test_root_option_of_the_wrong_type(
+        self, tmp_path: Path, root: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        cfg = write_config(tmp_path / "c.toml", f'[[roots]]\npath = "{root}"\npointer = 3\n')
+        assert main(["check-config", str(cfg)]) == 2
+        assert f"pointer in [[roots]] {root} of {cfg} must be a string" in capsys.readouterr().err
 
     def test_unknown_root_key(
         self, tmp_path: Path, root: Path, capsys: pytest.CaptureFixture[str]
