@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import signal
 import socket
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +19,7 @@ from daemon._config import Config, RootConfig
 from daemon._errors import RequestError
 from daemon._reload import LIVE, plan_reload, refusal, reloaded_root_check, summary
 from orchestrator.protocol import ErrorCode
+from tests._system import require_root
 from tests.conftest import DaemonProcess, LineClient
 
 TIMEOUT = 15.0
@@ -147,6 +151,35 @@ def finish(client: LineClient, root: Path, step: int) -> dict[str, Any]:
     return client.request("wait", root=str(root), step=step, timeout=TIMEOUT)
 
 
+NOBODY = 65534
+
+_PING = """
+import json, socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.settimeout(15)
+s.connect(sys.argv[1])
+s.sendall(b'{"op":"ping","id":1}\\n')
+print(s.makefile("rb").readline().decode().strip())
+"""
+
+
+def ping_as_nobody(path: Path) -> dict[str, Any]:
+    """The first line the daemon answers a ``ping`` from uid/gid nobody with."""
+    python = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
+    result = subprocess.run(
+        [python, "-c", _PING, str(path)],
+        user=NOBODY,
+        group=NOBODY,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        check=True,
+        cwd="/",
+    )
+    reply: dict[str, Any] = json.loads(result.stdout)
+    return reply
+
+
 @pytest.fixture
 def notify_socket(short_dir: Path) -> Iterator[socket.socket]:
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
@@ -231,6 +264,24 @@ class TestReload:
         assert daemon.stop() == 0
         after = daemon.seen[daemon.seen.index(reloaded) + 1 :]
         assert "client.connected" not in [e["event"] for e in after]  # info: filtered
+
+    def test_allow_list_applies_to_the_next_connection(
+        self, start: Start, tmp_path: Path, short_dir: Path
+    ) -> None:
+        require_root("connecting as another uid (nobody)")
+        (a,) = make_roots(tmp_path, "a")
+        cfg = tmp_path / "c.toml"
+        cfg.write_text(toml(a, socket_mode=0o666))
+        short_dir.chmod(0o755)  # nobody may reach the socket; the daemon decides
+        daemon = start([], "--config", str(cfg))
+        assert ping_as_nobody(daemon.socket_path)["error"]["code"] == "forbidden"
+        cfg.write_text(toml(a, socket_mode=0o666, allowed_uids=[NOBODY]))
+        assert hup(daemon)["applied"] == ["allowed_uids"]
+        assert ping_as_nobody(daemon.socket_path)["ok"] is True
+        cfg.write_text(toml(a, socket_mode=0o666))
+        hup(daemon)
+        assert ping_as_nobody(daemon.socket_path)["error"]["code"] == "forbidden"
+        assert daemon.stop() == 0
 
     def test_layout_change_waits_for_saves_in_flight(self, start: Start, tmp_path: Path) -> None:
         (a,) = make_roots(tmp_path, "a")
