@@ -2,7 +2,8 @@
 
 A daemon is healthy when its event loop answers (the reply comes from it) and its journal
 can be written: no journal write has been running past ``fs_stall_after``, the last one
-did not fail, and the state directory is writable and not full. That last check is a
+did not fail (or writing the changes it left queued works now), and the state directory
+is writable and not full. That last check is a
 ``statvfs`` and an ``access`` of the journal file, in a thread of its own, at most one at
 a time; a check that has not returned within :data:`PROBE_WAIT` (a hung state disk)
 makes the daemon unhealthy. No checkpoint root is looked at: a slow or hung checkpoint
@@ -14,7 +15,8 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Final, Protocol
+from collections.abc import Awaitable, Sequence
+from typing import Any, Final, Protocol
 
 import anyio
 import anyio.from_thread
@@ -23,6 +25,7 @@ import anyio.lowlevel
 from orchestrator import protocol as p
 
 from ._config import Config
+from ._errors import RequestError
 
 __all__ = ["PROBE_WAIT", "HealthCheck", "state_dir_problem"]
 
@@ -53,6 +56,8 @@ class Checked(Protocol):
 
     @property
     def journal_error(self) -> str | None: ...
+
+    def commit(self, effects: Sequence[Any]) -> Awaitable[None]: ...
 
 
 def state_dir_problem(journal_path: str) -> str | None:
@@ -95,7 +100,15 @@ class HealthCheck:
         if blocked >= daemon.config.fs_stall_after:
             return f"a journal write has not returned for {blocked:.1f}s ({journal.path})"
         if daemon.journal_error is not None:
-            return f"the last journal write failed: {daemon.journal_error} ({journal.path})"
+            # Changes whose write failed are still queued: write them now. Once that
+            # works (space was freed), the daemon is healthy again without waiting for
+            # the next request to retry them.
+            try:
+                await daemon.commit([])
+            except RequestError:
+                pass
+            if daemon.journal_error is not None:
+                return f"the last journal write failed: {daemon.journal_error} ({journal.path})"
         return await self._state_dir(journal.path)
 
     async def _state_dir(self, path: str) -> str | None:

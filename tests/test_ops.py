@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 from daemon._server import VERSION
 from daemon.cli import main
 from tests._fuse import bindfs_mount
+from tests._system import require_root
 from tests.conftest import REPO, DaemonProcess, LineClient
 
 TIMEOUT = 15.0
@@ -158,6 +160,50 @@ class TestHealth:
                 assert writer.recv()["ok"] is True
             daemon.wait_event("journal.recovered", TIMEOUT)
             assert main(["health", "--socket", sock]) == 0
+
+    def test_full_state_disk_is_unhealthy_until_freed(
+        self, start: Start, short_dir: Path, root: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        require_root("mounting a small tmpfs as the state directory")
+        state = short_dir / "state"
+        state.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(state)], check=True)
+        try:
+            daemon = start([root], "--state-dir", str(state))
+            sock = str(daemon.socket_path)
+            assert main(["health", "--socket", sock]) == 0
+            with LineClient(daemon.socket_path, timeout=TIMEOUT) as client:
+                at = {"root": str(root), "step": 1, "rank": 0}
+                # World size 2: the save stays open, so only the journal is exercised.
+                assert client.request("begin", **at, world_size=2)["ok"] is True
+                filler = state / "filler"
+                fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+                try:
+                    with pytest.raises(OSError, match="No space left"):
+                        while True:
+                            os.write(fd, b"\0" * 4096)
+                finally:
+                    os.close(fd)
+                # A record larger than the slack in the journal's last page: it needs a
+                # new one, and there is none.
+                files = [{"path": f"model/{'x' * 100}-{i}.distcp", "size": 1} for i in range(100)]
+                assert client.request("done", **at, files=files)["error"]["code"] == "unavailable"
+                daemon.wait_event("journal.failed", TIMEOUT)
+                assert main(["health", "--socket", sock]) == 1
+                err = capsys.readouterr().err
+                assert "unhealthy: the last journal write failed: No space left on device" in err
+                filler.unlink()
+                assert main(["health", "--socket", sock]) == 0  # the queued change is written
+                assert client.request("done", **at, files=files)["ok"] is True
+            try:
+                assert daemon.stop(timeout=8) == 0
+            except Exception:
+                print(
+                    [(e["event"], e.get("line", e.get("reason", ""))) for e in daemon.drain()][-30:]
+                )
+                raise
+        finally:
+            subprocess.run(["umount", "-l", str(state)], check=False)
 
     def test_hung_checkpoint_root_stays_healthy(
         self, start: Start, tmp_path: Path, capsys: pytest.CaptureFixture[str]
