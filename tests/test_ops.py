@@ -195,13 +195,7 @@ class TestHealth:
                 filler.unlink()
                 assert main(["health", "--socket", sock]) == 0  # the queued change is written
                 assert client.request("done", **at, files=files)["ok"] is True
-            try:
-                assert daemon.stop(timeout=8) == 0
-            except Exception:
-                print(
-                    [(e["event"], e.get("line", e.get("reason", ""))) for e in daemon.drain()][-30:]
-                )
-                raise
+            assert daemon.stop() == 0
         finally:
             subprocess.run(["umount", "-l", str(state)], check=False)
 
