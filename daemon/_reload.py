@@ -93,7 +93,7 @@ def plan_reload(old: Config, new: Config) -> ReloadPlan:
     """Compare ``old`` (running) with ``new`` (just loaded and validated)."""
     live: list[str] = []
     restart: list[str] = []
-    for f in dataclasses.fields(Config):
+    for f in dataclasses.fields(old):
         if f.name == "roots" or getattr(old, f.name) == getattr(new, f.name):
             continue
         (live if f.name in LIVE else restart).append(f.name)
@@ -109,7 +109,7 @@ def plan_reload(old: Config, new: Config) -> ReloadPlan:
         names = tuple(
             sorted(
                 f.name
-                for f in dataclasses.fields(RootConfig)
+                for f in dataclasses.fields(root)
                 if getattr(previous, f.name) != getattr(root, f.name)
             )
         )
