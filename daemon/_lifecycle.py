@@ -116,8 +116,10 @@ async def serve(
                     connections.cancel_scope.cancel()
                 await listener.aclose()
                 # Promotions in flight are shielded: let them finish and journal their
-                # outcome before the journal writer stops.
+                # outcome before the journal writer stops; so are the set-asides of the
+                # attempts they failed, which journal where the files went.
                 await daemon.promoter.idle()
+                await daemon.attempt_dirs.idle()
                 services.cancel_scope.cancel()
         daemon.trash.close()
         daemon.events.emit("daemon.stopped")

@@ -51,6 +51,8 @@ class AttemptDirs:
         self._ready: dict[tuple[SaveKey, str], anyio.Event] = {}
         self._failed: dict[tuple[SaveKey, str], str] = {}
         self._pending: dict[SaveKey, int] = {}  # set-asides under way, per save
+        self._none_pending = anyio.Event()  # set while no set-aside is under way
+        self._none_pending.set()
 
     def reporting(self, key: SaveKey) -> bool:
         """Whether ``key``'s failure is still being set aside, so not yet reported."""
@@ -119,8 +121,15 @@ class AttemptDirs:
         if self.group is None:  # not serving yet (recovery sets aside on its own)
             self._daemon.apply(effect.then)
             return
+        if not self._pending:
+            self._none_pending = anyio.Event()
         self._pending[effect.key] = self._pending.get(effect.key, 0) + 1
         self.group.start_soon(self._set_aside, effect)
+
+    async def idle(self) -> None:
+        """Return once no set-aside is under way (each journals where it moved the files)."""
+        while self._pending:
+            await self._none_pending.wait()
 
     async def _set_aside(self, effect: SetAside) -> None:
         daemon, key = self._daemon, effect.key
@@ -133,6 +142,8 @@ class AttemptDirs:
                 self._pending[key] = left
             else:
                 del self._pending[key]
+                if not self._pending:
+                    self._none_pending.set()
             daemon.apply(effect.then)
 
     async def set_aside(self, key: SaveKey, attempt: str) -> str | None:
