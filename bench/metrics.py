@@ -109,6 +109,7 @@ class _Host:
         self.lanes = _NoStalls()
         self.journal = None
         self.waits = 0
+        self.retiring: dict[str, Any] = {}
 
 
 def _in_process(events_n: int) -> tuple[list[Row], dict[str, Any]]:

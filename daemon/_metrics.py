@@ -120,6 +120,11 @@ class Observed(Protocol):
     @property
     def waits(self) -> int: ...
 
+    @property
+    def retiring(self) -> Mapping[str, object]:
+        """Roots a reload removed whose saves in flight still run."""
+        ...
+
 
 class Metrics(Collector):
     """The metrics of one daemon, in a registry of their own.
@@ -326,7 +331,8 @@ class Metrics(Collector):
     def _sample(self) -> Iterator[Metric]:
         daemon = self._daemon
         roots = [r.path for r in daemon.config.roots]
-        in_flight = dict.fromkeys(roots, 0)
+        # A removed root's saves in flight still count until they settle (root.retired).
+        in_flight = dict.fromkeys([*roots, *daemon.retiring], 0)
         last: dict[str, float] = {}
         for save in daemon.ledger:
             root = save.key.root

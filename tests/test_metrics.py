@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from daemon._metrics import FAILURE_REASONS, failure_reason
 from daemon._server import VERSION
+from tests._fuse import bindfs_mount
 from tests.conftest import DaemonProcess, LineClient
 
 TIMEOUT = 15.0
@@ -148,6 +149,34 @@ class TestScrape:
         port = metrics_port(daemon)
         with pytest.raises(AssertionError, match="cannot serve metrics on 127.0.0.1"):
             start([root], "--metrics-listen", f"127.0.0.1:{port}", socket_name="d2.sock")
+
+
+class TestStalls:
+    """A hung root shows as ``ckptd_root_stalled`` 1 while it hangs, 0 once it answers."""
+
+    def test_stalled_root_gauge(self, start: Start, tmp_path: Path) -> None:
+        backing = tmp_path / "backing"
+        backing.mkdir()
+        cfg = tmp_path / "c.toml"
+        cfg.write_text('fs_stall_after = 0.5\nmetrics_listen = "127.0.0.1:0"\n')
+        with bindfs_mount(backing, tmp_path / "root") as fs:
+            daemon = start([fs.mount], "--config", str(cfg))
+            port = metrics_port(daemon)
+            r = (("root", str(fs.mount)),)
+            fs.stop()
+            with LineClient(daemon.socket_path, timeout=TIMEOUT) as asker:
+                asker.send_raw(b'{"op":"latest","id":1,"root":"%s"}\n' % str(fs.mount).encode())
+                daemon.wait_event("root.stalled", TIMEOUT)
+                _, hung = scrape(port)  # answered while the root hangs
+                assert hung[("ckptd_root_stalled", r)] == 1
+                assert hung[("ckptd_root_stalls_total", r)] == 1
+                assert hung[("ckptd_journal_stalled", ())] == 0
+                fs.cont()
+                assert asker.recv()["id"] == 1
+            daemon.wait_event("root.recovered", TIMEOUT)
+            _, after = scrape(port)
+            assert after[("ckptd_root_stalled", r)] == 0
+            assert daemon.stop() == 0
 
 
 class TestTextfile:

@@ -21,6 +21,7 @@ from daemon._reload import LIVE, plan_reload, refusal, reloaded_root_check, summ
 from orchestrator.protocol import ErrorCode
 from tests._system import require_root
 from tests.conftest import DaemonProcess, LineClient
+from tests.test_metrics import Samples, scrape
 
 TIMEOUT = 15.0
 Start = Callable[..., DaemonProcess]
@@ -148,6 +149,10 @@ def hup(daemon: DaemonProcess, event: str = "config.reloaded") -> dict[str, Any]
     return daemon.wait_event(event, TIMEOUT)
 
 
+def scrape_metrics(daemon: DaemonProcess) -> tuple[str, Samples]:
+    return scrape(daemon.wait_event("metrics.listening", TIMEOUT)["port"])
+
+
 def ok(reply: dict[str, Any]) -> dict[str, Any]:
     assert reply.get("ok") is True, reply
     return reply
@@ -228,11 +233,13 @@ class TestReload:
         a, b = make_roots(tmp_path, "a", "b")
         cfg = tmp_path / "c.toml"
         cfg.write_text(toml(a, b))
-        daemon = start([], "--config", str(cfg))
+        daemon = start([], "--config", str(cfg), "--metrics-listen", "127.0.0.1:0")
         with LineClient(daemon.socket_path, timeout=TIMEOUT) as client:
             ok(client.request("begin", root=str(b), step=1, rank=0, world_size=1))
             cfg.write_text(toml(a))
             assert hup(daemon)["removed"] == [str(b)]
+            _, gauges = scrape_metrics(daemon)
+            assert gauges[("ckptd_saves_in_flight", (("root", str(b)),))] == 1  # still counted
             refused = client.request("begin", root=str(b), step=2, rank=0, world_size=1)
             assert refused["error"]["code"] == "root_not_configured"
             assert "removed from the configuration" in refused["error"]["message"]
