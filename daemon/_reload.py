@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Final
+from typing import Any, Final
 
 from orchestrator import protocol as p
 
@@ -171,7 +171,7 @@ def reloaded_root_check(
         )
 
 
-def summary(plan: ReloadPlan) -> dict[str, object]:
+def summary(plan: ReloadPlan) -> dict[str, Any]:
     """The plan as event fields (``config.reloaded``)."""
     return {
         "added": [r.path for r in plan.added],

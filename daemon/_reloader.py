@@ -22,7 +22,7 @@ service manager hears ``RELOADING=1`` before and ``READY=1`` after, whatever the
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Final, Protocol
 
 import anyio
 import anyio.to_thread
@@ -34,6 +34,7 @@ from . import _systemd
 from ._config import Config, RootConfig
 from ._errors import ConfigError
 from ._events import set_log_level
+from ._host import Recovering
 from ._layout import write_layout
 from ._recovery import scan_roots
 from ._reload import ReloadPlan, plan_reload, refusal, summary
@@ -47,6 +48,21 @@ _SETTLED: Final = (p.SaveState.PROMOTED, p.SaveState.FAILED)
 _SETTLE_EVENTS: Final = ("checkpoint.promoted", "checkpoint.failed")
 
 
+class _AddsRoots(Protocol):
+    def add(self, root: RootConfig) -> None: ...
+
+
+class Reloadable(Recovering, Protocol):
+    """What a reload changes in the daemon (``daemon._server.Daemon``)."""
+
+    config: Config  # read-only to the daemon's parts; a reload sets it
+    retiring: dict[str, RootConfig]
+    root_locks: dict[str, anyio.Lock]
+
+    @property
+    def trash(self) -> _AddsRoots: ...
+
+
 class Reloader:
     """Reloads one daemon's configuration; one reload at a time.
 
@@ -57,7 +73,9 @@ class Reloader:
         group: Where a retiring root's watch runs.
     """
 
-    def __init__(self, daemon: Any, load: Callable[[], Config] | None, group: TaskGroup) -> None:
+    def __init__(
+        self, daemon: Reloadable, load: Callable[[], Config] | None, group: TaskGroup
+    ) -> None:
         self._daemon = daemon
         self._load = load
         self._group = group
