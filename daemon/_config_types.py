@@ -87,10 +87,9 @@ def check_types(cls: type, table: dict[str, Any], where: str) -> None:
             continue
         value = table[f.name]
         default = _default(f)
-        if f.name == "save_timeout" or default is None:
-            kind: type | None = float  # None-able seconds: 0 (or a number) in TOML
-        else:
-            kind = _expected(default)
+        # A field whose default is None, a table or anything else TOML has no plain type
+        # for (a nested options table) is left to its own validation.
+        kind = _expected(default)
         if kind is None or _fits(kind, value):
             if kind is tuple and default:
                 inner = _expected(default[0])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from daemon._config_types import check_types
+from daemon._errors import ConfigError
 from daemon._server import VERSION
 from daemon.cli import main
 from tests._fuse import bindfs_mount
@@ -119,6 +122,23 @@ class TestCheckConfig:
         result = run_cli("check-config", str(cfg))
         assert result.returncode == 2
         assert "no checkpoint root configured" in result.stderr
+
+
+class TestConfigTypes:
+    """Types come from the dataclass defaults; a field without a plain default is skipped."""
+
+    def test_options_table_is_left_to_its_own_validation(self) -> None:
+        @dataclasses.dataclass(kw_only=True)
+        class Options:
+            retention: dict[str, int] | None = None
+            node: str = ""
+            timeout: float = 1.0
+
+        check_types(Options, {"retention": {"keep_last": 3}, "node": "n1", "timeout": 2}, "f")
+        with pytest.raises(ConfigError, match="node in f must be a string, got integer 3"):
+            check_types(Options, {"node": 3}, "f")
+        with pytest.raises(ConfigError, match="timeout in f must be a number, got boolean"):
+            check_types(Options, {"timeout": True}, "f")
 
 
 class TestHealth:
