@@ -196,7 +196,7 @@ class TestSlurmNoAdmin:
         assert (short_dir / "job").stat().st_mode & 0o777 == 0o700
 
     def test_scripts_parse(self) -> None:
-        for name in ("ckptd-node.sh", "example-noadmin.sbatch"):
+        for name in ("ckptd-node.sh", "example-noadmin.sbatch", "prolog.sh", "example.sbatch"):
             result = run("bash", "-n", str(REPO / "deploy" / "slurm" / name))
             assert result.returncode == 0, result.stderr
         text = (REPO / "deploy" / "slurm" / "example-noadmin.sbatch").read_text()
