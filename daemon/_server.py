@@ -35,11 +35,13 @@ from ._journal import Journal, JournalRecord
 from ._lanes import Lanes
 from ._ledger import Effect, Emit, Ledger, SaveKey, SaveRecord, SetAside, Settled, Verify
 from ._mounts import is_local, mount_table
+from ._nodes import Nodes, rescue_markers
 from ._owners import AttemptDirs
 from ._paths import check_relative, check_tmp_dir
 from ._promoter import LocalStorage, Storage, latest_promoted
 from ._promotion import Promoter
 from ._reload import reloaded_root_check
+from ._saves import MarkNode, NodeFailed, Watch
 from ._trash import TrashRemover
 from ._verify import scan_save
 
@@ -73,7 +75,9 @@ class Daemon:
     ) -> None:
         self.config = config
         self.events = Events()
-        self.ledger = Ledger(lease=config.lease, save_timeout=config.save_timeout)
+        self.ledger = Ledger(
+            lease=config.lease, save_timeout=config.save_timeout, node_timeout=config.node_timeout
+        )
         self.clock = clock
         self._started = clock()
         self._conn_ids = itertools.count(1)
@@ -114,6 +118,10 @@ class Daemon:
         mounts = mount_table()
         self._local = {r.path for r in config.roots if is_local(r.real or r.path, mounts)}
         """Roots on a local filesystem: their per-save checks run on the event loop."""
+        self.nodes = Nodes(self, run=self._run_for, local_roots=self._local)
+        """Saves that span nodes: the attempt agreed, markers written and watched."""
+        self.promoter.claimed = self.nodes.follow_later
+        self.nodes.promote = self.promoter.start
 
     # -- effects -----------------------------------------------------------------------
 
@@ -191,8 +199,11 @@ class Daemon:
                 self.promoter.start(effect.key)
             elif isinstance(effect, SetAside):
                 self.attempt_dirs.start_set_aside(effect)
+            elif isinstance(effect, MarkNode | Watch | NodeFailed):
+                self.nodes.start(effect)
             elif isinstance(effect, Settled):
                 self.attempt_dirs.forget(effect.key)
+                self.nodes.forget(effect.key)
                 waiter = self._waiters.pop(effect.key, None)
                 if waiter is not None:
                     waiter.set()
@@ -301,6 +312,7 @@ class Daemon:
                         for r in self.config.roots
                     ],
                     stalled=self.lanes.stalled(only),
+                    node=self.config.node,
                 )
             case p.Latest(root=root_path):
                 root = self.configured(root_path)
@@ -347,10 +359,15 @@ class Daemon:
                     "checkpoint.gone", "warning", root=root.path, step=key.step, path=final
                 )
                 known = self.ledger.get(key)
+        fresh = _attempts.new_attempt_id()
         if known is None or self.ledger.starts_new_attempt(
             key, conn, resent=request.resent, attempt=request.attempt
         ):
             await self._admit(root, key)
+            lws = request.local_world_size
+            if lws is not None and lws < request.world_size and request.rank != 0:
+                # Spanning nodes: every node's ranks join the attempt the leader marks.
+                fresh = await self.nodes.attempt_for(root, key, request.world_size) or fresh
         effects = self.ledger.begin(
             key,
             request.rank,
@@ -359,13 +376,18 @@ class Daemon:
             self.clock(),
             resent=request.resent,
             attempt=request.attempt,
-            fresh=_attempts.new_attempt_id(),
+            fresh=fresh,
+            local_world_size=request.local_world_size,
         )
         save = self.ledger.get(key)
         assert save is not None
         await self.commit(effects)
+        self.nodes.begun(key)
         if save.state is p.SaveState.OPEN:
-            await self.attempt_dirs.ready(root, save)
+            if not save.spans or save.leader:
+                await self.attempt_dirs.ready(root, save)
+            else:  # the leader's marker is there: only the leader prepares the directory
+                self.nodes.announce(root, save)
         if save.state is p.SaveState.FAILED:
             raise RequestError(p.ErrorCode.STEP_FAILED, f"step {key.step} failed: {save.reason}")
         return p.BeginReply(
@@ -402,6 +424,7 @@ class Daemon:
                 (save := self.ledger.get(key)) is None
                 or save.state not in _SETTLED
                 or self.attempt_dirs.reporting(key)  # failed, but not yet set aside
+                or self.nodes.reporting(key)  # failed, but not yet written out
             ):
                 if save is None and await self.lanes.run(
                     root.path, os.path.isdir, root.final_dir(request.step), abandon=True
@@ -417,7 +440,9 @@ class Daemon:
         attempt = save.attempt or None
         if save.state is p.SaveState.PROMOTED:
             return p.WaitReply(id=request.id, state="promoted", path=save.path, attempt=attempt)
-        if save.state is p.SaveState.FAILED and not self.attempt_dirs.reporting(key):
+        if save.state is p.SaveState.FAILED and not (
+            self.attempt_dirs.reporting(key) or self.nodes.reporting(key)
+        ):
             return p.WaitReply(id=request.id, state="failed", reason=save.reason, attempt=attempt)
         return p.WaitReply(id=request.id, state="pending", attempt=attempt)
 
@@ -471,6 +496,11 @@ class Daemon:
             attempt = save.attempt if save is not None else ""
             if save is None and marker is not None:
                 attempt = marker.attempt  # a step no journal knows: its directory says whose
+            # A step that spans nodes is promoted from its node markers, if they cover it.
+            nodes = await rescue_markers(self, root, step, attempt, save)
+            if nodes is not None:
+                world_size = nodes.world_size
+                reported = {**reported, **nodes.files()}
             try:
                 manifest = await self.lanes.run(
                     root.path, scan_save, root, step, world_size, reported, attempt, abandon=True
@@ -483,7 +513,13 @@ class Daemon:
                 f"{root.tmp_dir(step)} holds no DCP directory (*.distcp with .metadata): "
                 "nothing on disk proves the step complete",
             )
-        await self.commit(self.ledger.rescue(key, self.clock(), attempt=attempt))
+        spanning = 0 if nodes is None else nodes.world_size
+        effects = self.ledger.rescue(key, self.clock(), attempt=attempt, world_size=spanning)
+        if nodes is not None:
+            for m in nodes.markers:
+                files = m.ranks()
+                self.ledger.remote_done(key, m.node, attempt, len(files), files, self.clock())
+        await self.commit(effects)
         wait = p.Wait(id=request_id, root=root.path, step=step, timeout=wait_s)
         return await self.settled(wait, root)
 
@@ -523,6 +559,7 @@ class Daemon:
                 bytes=sum(f.size for f in rec.files),
                 lease_s=None if rec.lease_deadline is None else round(rec.lease_deadline - now, 3),
                 reason=rec.reason,
+                node=rec.node,
             )
             for rank, rec in sorted(save.ranks.items())
         ]
@@ -537,6 +574,9 @@ class Daemon:
             reason=save.reason,
             attempt=save.attempt or None,
             set_aside=save.set_aside,
+            local_world_size=save.local_world_size if save.spans else None,
+            role=("leader" if save.leader else "node") if save.spans else None,
+            marked=save.marked,
         )
 
 

@@ -104,6 +104,11 @@ def _parser() -> argparse.ArgumentParser:
         help="also accept connections from processes with this primary gid (repeatable)",
     )
     serve_cmd.add_argument(
+        "--node",
+        metavar="NAME",
+        help="this node's name in multi-node saves (default: the hostname)",
+    )
+    serve_cmd.add_argument(
         "--metrics-listen",
         metavar="HOST:PORT",
         help="serve Prometheus metrics over HTTP here (TOML metrics_listen; default off)",
@@ -167,6 +172,7 @@ def _serve(args: argparse.Namespace) -> int:
         state_dir=args.state_dir,
         allow_uids=args.allow_uid,
         allow_gids=args.allow_gid,
+        node=args.node,
         metrics_listen=args.metrics_listen,
     )
     config = load()
