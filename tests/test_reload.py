@@ -279,10 +279,12 @@ class TestReload:
         cfg = tmp_path / "c.toml"
         cfg.write_text(toml(a))
         daemon = start([], "--config", str(cfg))
-        cfg.write_text(toml(a, log_level="warning", stall_timeout=5.0, root_threads=2))
+        cfg.write_text(
+            toml(a, log_level="warning", stall_timeout=5.0, root_threads=2, node="elsewhere")
+        )
         reloaded = hup(daemon)
         assert reloaded["applied"] == ["log_level", "stall_timeout"]
-        assert reloaded["restart_required"] == ["root_threads"]
+        assert reloaded["restart_required"] == ["node", "root_threads"]
         with LineClient(daemon.socket_path, timeout=TIMEOUT) as client:
             client.request("no-such-op")  # request.rejected is a warning: still logged
         daemon.wait_event("request.rejected", TIMEOUT)
