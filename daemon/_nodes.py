@@ -32,9 +32,10 @@ from . import _attempts, _fence, _markers
 from ._config import RootConfig
 from ._errors import RequestError
 from ._faults import crash_point
+from ._holds import Holds
 from ._host import Coordinating
 from ._markers import NodeMarker, Seen
-from ._saves import Effect, Holds, MarkNode, NodeFailed, SaveKey, SaveRecord, Watch
+from ._saves import Effect, MarkNode, NodeFailed, SaveKey, SaveRecord, Watch
 from ._waker import Waker
 
 __all__ = ["Nodes"]
@@ -71,6 +72,8 @@ class Nodes:
         self._pending = Holds()
         self.promote: Callable[[SaveKey], None] | None = None
         """Starts a promotion again (a leader whose rival claim went away)."""
+        self._watches: set[anyio.CancelScope] = set()
+        self._closed = False
 
     @property
     def node(self) -> str:
@@ -160,7 +163,7 @@ class Nodes:
         if isinstance(effect, MarkNode):
             self._spawn(self._mark, effect.key)
         elif isinstance(effect, Watch):
-            if effect.key not in self._watching:
+            if effect.key not in self._watching and not self._closed:
                 self._watching.add(effect.key)
                 self._spawn(self._watch, effect.key)
         else:
@@ -173,11 +176,16 @@ class Nodes:
         self.group.start_soon(self._guarded, fn, *args)
 
     async def _guarded(self, fn: Callable[..., Coroutine[Any, Any, None]], *args: object) -> None:
+        scope = anyio.CancelScope()
+        self._watches.add(scope)
         try:
-            await fn(*args)
+            with scope:
+                await fn(*args)
         except Exception as exc:  # a task boundary: report, never crash the daemon
             where = getattr(fn, "__name__", "nodes")
             self._daemon.events.emit("daemon.internal_error", "error", where=where, error=repr(exc))
+        finally:
+            self._watches.discard(scope)
 
     async def _mark(self, key: SaveKey) -> None:
         daemon = self._daemon
@@ -217,9 +225,19 @@ class Nodes:
     def follow_later(self, key: SaveKey) -> None:
         """Learn ``key``'s outcome from the shared directory (another node promotes it)."""
         save = self._daemon.ledger.get(key)
-        if self.group is not None and save is not None:
+        if self.group is not None and save is not None and not self._closed:
             root = self._daemon.configured(key.root)
             self._spawn(self.follow, root, save)
+
+    async def idle(self) -> None:
+        """Return once no node failure is being written out (each reports when done)."""
+        await self._pending.idle()
+
+    def close(self) -> None:
+        """Stop every watch (shutdown): a restart watches again from the journal."""
+        self._closed = True
+        for scope in self._watches:
+            scope.cancel()
 
     async def _watch(self, key: SaveKey) -> None:
         try:

@@ -23,9 +23,9 @@ from orchestrator import protocol as p
 from . import _attempts
 from ._config import RootConfig
 from ._errors import RequestError
+from ._holds import Holds
 from ._host import Host
 from ._ledger import SaveKey, SaveRecord, SetAside
-from ._saves import Holds
 
 __all__ = ["AttemptDirs"]
 
@@ -122,6 +122,10 @@ class AttemptDirs:
             return
         self._pending.hold(effect.key)
         self.group.start_soon(self._set_aside, effect)
+
+    async def idle(self) -> None:
+        """Return once no set-aside is under way (each journals where it moved the files)."""
+        await self._pending.idle()
 
     async def _set_aside(self, effect: SetAside) -> None:
         daemon, key = self._daemon, effect.key

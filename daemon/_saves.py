@@ -15,7 +15,6 @@ from orchestrator.protocol import FileEntry, RankState, SaveState
 __all__ = [
     "Effect",
     "Emit",
-    "Holds",
     "MarkNode",
     "NodeFailed",
     "RankRecord",
@@ -217,25 +216,3 @@ def ranges(ranks: list[int]) -> str:
     if start is not None:
         parts.append(str(start) if start == prev else f"{start}-{prev}")
     return ",".join(parts)
-
-
-class Holds:
-    """Failures being carried out per save, whose report waits until they are done."""
-
-    def __init__(self) -> None:
-        self._count: dict[SaveKey, int] = {}
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._count
-
-    def hold(self, key: SaveKey) -> None:
-        """One more failure of ``key`` is being carried out."""
-        self._count[key] = self._count.get(key, 0) + 1
-
-    def release(self, key: SaveKey) -> None:
-        """One failure of ``key`` is carried out."""
-        left = self._count[key] - 1
-        if left:
-            self._count[key] = left
-        else:
-            del self._count[key]
