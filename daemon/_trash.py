@@ -374,6 +374,7 @@ class TrashRemover:
         self._roots = {root.path: root for root in roots}
         self._workers = workers
         self._removers: dict[str, _RootRemover] = {}
+        self._emit: Callable[..., None] | None = None
 
     def start(self) -> None:
         """Start removing; resumes what a previous run doomed. Call on the event loop."""
@@ -383,8 +384,15 @@ class TrashRemover:
             call = functools.partial(self._events.emit, name, level, **fields)
             anyio.from_thread.run_sync(call, token=token)
 
+        self._emit = emit
         for path, root in self._roots.items():
             self._removers[path] = _RootRemover(root, emit, self._workers)
+
+    def add(self, root: RootConfig) -> None:
+        """Remove ``root``'s doomed entries too (a root a reload added); on the event loop."""
+        self._roots[root.path] = root
+        if self._emit is not None and root.path not in self._removers:
+            self._removers[root.path] = _RootRemover(root, self._emit, self._workers)
 
     def kick(self, root: RootConfig) -> None:
         """There is something new to delete in ``root``; never blocks."""

@@ -38,6 +38,8 @@ __all__ = [
     "FileEntry",
     "Gc",
     "GcReply",
+    "Health",
+    "HealthReply",
     "Latest",
     "LatestReply",
     "Ping",
@@ -292,7 +294,15 @@ class Gc(_Request, frozen=True, tag="gc"):
     remove: bool = False
 
 
-Request = Ping | Begin | Done | Fail | Wait | Status | Latest | Subscribe | Gc | Promote
+class Health(_Request, frozen=True, tag="health"):
+    """Whether the daemon can do its job, for probes (``ckptd health``).
+
+    Answered from the event loop after checking that the journal can be written; never
+    touches a checkpoint root, so a slow checkpoint filesystem never fails it.
+    """
+
+
+Request = Ping | Begin | Done | Fail | Wait | Status | Latest | Subscribe | Gc | Promote | Health
 """Every message a client may send."""
 
 
@@ -324,6 +334,15 @@ class PingReply(_Reply, frozen=True, kw_only=True):
 
     version: str
     protocol: int = PROTOCOL_VERSION
+
+
+class HealthReply(_Reply, frozen=True, kw_only=True):
+    """Reply to ``health``."""
+
+    version: str
+    healthy: bool
+    problem: str | None = None
+    """Why the daemon is not healthy (None when it is)."""
 
 
 class BeginReply(_Reply, frozen=True, kw_only=True):
@@ -464,7 +483,7 @@ _envelope_decoder: Final = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _encoder: Final = msgspec.json.Encoder()
 _OPS: Final = frozenset(
     str(t.__struct_config__.tag)
-    for t in (Ping, Begin, Done, Fail, Wait, Status, Latest, Subscribe, Gc, Promote)
+    for t in (Ping, Begin, Done, Fail, Wait, Status, Latest, Subscribe, Gc, Promote, Health)
 )
 
 
