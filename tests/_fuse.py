@@ -21,7 +21,7 @@ import pytest
 
 from tests._system import in_ci, require_root, require_tool
 
-__all__ = ["BindMount", "bindfs_mount", "waiting_requests"]
+__all__ = ["BindMount", "bindfs_mount", "in_mount_table", "waiting_requests"]
 
 CACHING = "entry_timeout=1,attr_timeout=1,negative_timeout=1"
 """bindfs options that make a mount cache like an NFS client (for about a second)."""
@@ -57,9 +57,17 @@ class BindMount:
 
 
 def _mounted(path: Path) -> bool:
-    target = os.fsencode(os.path.realpath(path))
-    with open("/proc/self/mountinfo", "rb") as fh:
-        return any(line.split()[4] == target for line in fh if len(line.split()) > 4)
+    return in_mount_table(Path(os.path.realpath(path)))
+
+
+def in_mount_table(path: Path, pid: int | str = "self") -> bool:
+    """Whether ``path`` is a mount point in the mount namespace of process ``pid``."""
+    target = os.fsencode(path)
+    try:
+        with open(f"/proc/{pid}/mountinfo", "rb") as fh:
+            return any(line.split()[4] == target for line in fh if len(line.split()) > 4)
+    except FileNotFoundError:  # the process has gone
+        return False
 
 
 @contextmanager

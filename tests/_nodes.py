@@ -39,7 +39,7 @@ from typing import Any
 
 import pytest
 
-from tests._fuse import CACHING
+from tests._fuse import CACHING, in_mount_table
 from tests._system import require_root, require_tool
 from tests.conftest import REPO, DaemonProcess, LineClient
 
@@ -75,21 +75,10 @@ def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: fl
         time.sleep(interval)
 
 
-def _mount_in(pid: int, mount: Path) -> bool:
-    target = os.fsencode(mount)
-    try:
-        with open(f"/proc/{pid}/mountinfo", "rb") as fh:
-            return any(
-                len(fields) > 4 and fields[4] == target for fields in (ln.split() for ln in fh)
-            )
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
 def _await_mount(proc: subprocess.Popen[bytes], mount: Path, timeout: float = 10.0) -> None:
     """Return once ``mount`` is in the mount table of ``proc``'s namespace."""
     deadline = time.monotonic() + timeout
-    while not _mount_in(proc.pid, mount):
+    while not in_mount_table(mount, proc.pid):
         left = deadline - time.monotonic()
         if proc.poll() is not None or left <= 0:
             proc.kill()
