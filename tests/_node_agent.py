@@ -20,6 +20,7 @@ request per line on stdin and answers one JSON line on stdout:
   ``{"ok": true, "errno": 0 | E, "error": name}``.
 
 Any other failure is answered ``{"ok": false, "error": "..."}``; the agent goes on.
+:class:`NodeFs` is the test's end of it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ import ctypes
 import errno
 import json
 import os
+import subprocess
 import sys
+import threading
+from pathlib import Path
 from typing import Any
 
 _AT_FDCWD = -100
@@ -109,6 +113,80 @@ def handle(request: dict[str, Any]) -> dict[str, Any]:
     if op == "rename_noreplace":
         return _rename_noreplace(request["src"], request["dst"])
     return {"ok": False, "error": f"unknown op {op!r}"}
+
+
+class NodeFs:
+    """The shared directory as one node sees it: a file agent inside its namespace."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+        self._lock = threading.Lock()
+        ready = self._readline()
+        assert ready.get("ready"), ready
+
+    def _readline(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the node's file agent exited")
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def call(self, op: str, **fields: Any) -> dict[str, Any]:
+        """One request to the agent; its answer (``ok`` false raises)."""
+        assert self.proc.stdin is not None
+        with self._lock:
+            self.proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
+            self.proc.stdin.flush()
+            answer = self._readline()
+        if not answer.get("ok"):
+            raise OSError(f"{op} {fields}: {answer.get('error')}")
+        return answer
+
+    def write(self, path: Path, size: int = 64, data: str | None = None) -> int:
+        """Write (and fsync) a file through this node's mount; returns its size."""
+        fields: dict[str, Any] = {"data": data} if data is not None else {"size": size}
+        size_written: int = self.call("write", path=str(path), **fields)["size"]
+        return size_written
+
+    def exists(self, path: Path) -> bool:
+        """Whether this node's mount says ``path`` exists (``lstat``, cache and all)."""
+        return bool(self.call("exists", path=str(path))["exists"])
+
+    def opens(self, path: Path) -> bool:
+        """Whether ``open(path)`` succeeds through this node's mount."""
+        return bool(self.call("open", path=str(path))["exists"])
+
+    def listdir(self, path: Path) -> list[str] | None:
+        """The names in ``path`` through this node's mount (None if it is missing)."""
+        names: list[str] | None = self.call("list", path=str(path))["names"]
+        return names
+
+    def read(self, path: Path) -> str | None:
+        """The text of ``path`` through this node's mount (None if it is missing)."""
+        text: str | None = self.call("read", path=str(path))["text"]
+        return text
+
+    def mkdir(self, path: Path) -> None:
+        """``mkdir -p`` through this node's mount."""
+        self.call("mkdir", path=str(path))
+
+    def rename_noreplace(self, src: Path, dst: Path) -> str:
+        """``renameat2(src, dst, RENAME_NOREPLACE)``: ``""`` on success, else the errno name."""
+        error: str = self.call("rename_noreplace", src=str(src), dst=str(dst))["error"]
+        return error
+
+    def close(self) -> None:
+        """End the agent."""
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
 
 
 def main() -> None:

@@ -16,8 +16,8 @@ node's daemon gets its own short socket path and state directory under ``/tmp``.
 
 The test process itself stays outside every namespace: it reads the shared directory
 uncached at ``Cluster.backing`` and through one node's mount with ``SimNode.fs``.
-Protocol-level ranks (:class:`Rank`) speak the wire protocol to their node's daemon and
-write their files through their node's mount.
+Protocol-level ranks (``tests/_node_jobs.py``) speak the wire protocol to their node's
+daemon and write their files through their node's mount.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
@@ -40,13 +39,12 @@ from typing import Any
 import pytest
 
 from tests._fuse import CACHING, in_mount_table
+from tests._node_agent import NodeFs
 from tests._system import require_root, require_tool
 from tests.conftest import REPO, DaemonProcess, LineClient
 
 __all__ = [
     "Cluster",
-    "Job",
-    "Rank",
     "SimNode",
     "cluster",
     "clusters",
@@ -100,80 +98,6 @@ def _toml_value(value: int | float | str | bool) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     return json.dumps(value) if isinstance(value, str) else repr(value)
-
-
-class NodeFs:
-    """The shared directory as one node sees it: a file agent inside its namespace."""
-
-    def __init__(self, proc: subprocess.Popen[str]) -> None:
-        self.proc = proc
-        self._lock = threading.Lock()
-        ready = self._readline()
-        assert ready.get("ready"), ready
-
-    def _readline(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError("the node's file agent exited")
-        answer: dict[str, Any] = json.loads(line)
-        return answer
-
-    def call(self, op: str, **fields: Any) -> dict[str, Any]:
-        """One request to the agent; its answer (``ok`` false raises)."""
-        assert self.proc.stdin is not None
-        with self._lock:
-            self.proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
-            self.proc.stdin.flush()
-            answer = self._readline()
-        if not answer.get("ok"):
-            raise OSError(f"{op} {fields}: {answer.get('error')}")
-        return answer
-
-    def write(self, path: Path, size: int = 64, data: str | None = None) -> int:
-        """Write (and fsync) a file through this node's mount; returns its size."""
-        fields: dict[str, Any] = {"data": data} if data is not None else {"size": size}
-        size_written: int = self.call("write", path=str(path), **fields)["size"]
-        return size_written
-
-    def exists(self, path: Path) -> bool:
-        """Whether this node's mount says ``path`` exists (``lstat``, cache and all)."""
-        return bool(self.call("exists", path=str(path))["exists"])
-
-    def opens(self, path: Path) -> bool:
-        """Whether ``open(path)`` succeeds through this node's mount."""
-        return bool(self.call("open", path=str(path))["exists"])
-
-    def listdir(self, path: Path) -> list[str] | None:
-        """The names in ``path`` through this node's mount (None if it is missing)."""
-        names: list[str] | None = self.call("list", path=str(path))["names"]
-        return names
-
-    def read(self, path: Path) -> str | None:
-        """The text of ``path`` through this node's mount (None if it is missing)."""
-        text: str | None = self.call("read", path=str(path))["text"]
-        return text
-
-    def mkdir(self, path: Path) -> None:
-        """``mkdir -p`` through this node's mount."""
-        self.call("mkdir", path=str(path))
-
-    def rename_noreplace(self, src: Path, dst: Path) -> str:
-        """``renameat2(src, dst, RENAME_NOREPLACE)``: ``""`` on success, else the errno name."""
-        error: str = self.call("rename_noreplace", src=str(src), dst=str(dst))["error"]
-        return error
-
-    def close(self) -> None:
-        """End the agent."""
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
 
 
 class SimNode:
@@ -434,112 +358,3 @@ def make_cluster() -> Iterator[Callable[..., Cluster]]:
     """``make_cluster(n)``: ``n`` simulated nodes, ended after the test."""
     with clusters() as make:
         yield make
-
-
-class Rank:
-    """One protocol-level rank of a multi-node job, talking to its node's daemon.
-
-    Args:
-        node: The node the rank runs on.
-        root: The checkpoint root (as the nodes name it).
-        rank: Its global rank.
-        world_size: The job's ranks.
-        local_world_size: The job's ranks on this node.
-    """
-
-    def __init__(
-        self, node: SimNode, root: Path, rank: int, world_size: int, local_world_size: int
-    ) -> None:
-        self.node = node
-        self.root = root
-        self.rank = rank
-        self.world_size = world_size
-        self.local_world_size = local_world_size
-        self.attempts: dict[int, str | None] = {}
-        self.conn = node.connect()
-
-    def reconnect(self) -> None:
-        """A new connection (after the node's daemon restarted)."""
-        self.conn.close()
-        self.conn = self.node.connect()
-
-    def begin(self, step: int, **fields: Any) -> dict[str, Any]:
-        """``begin`` with ``local_world_size``; remembers the attempt it joined."""
-        reply = self.conn.request(
-            "begin",
-            root=str(self.root),
-            step=step,
-            rank=self.rank,
-            world_size=self.world_size,
-            local_world_size=self.local_world_size,
-            **fields,
-        )
-        if reply.get("ok"):
-            self.attempts[step] = reply.get("attempt")
-        return reply
-
-    def write(self, step: int, size: int = 64) -> list[dict[str, Any]]:
-        """Write this rank's one file of the step through its node's mount."""
-        name = f"rank{self.rank}.bin"
-        self.node.fs.write(self.root / f"tmp_step_{step}" / name, size)
-        return [{"path": name, "size": size}]
-
-    def done(self, step: int, files: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        """``done`` naming the attempt this rank joined."""
-        fields: dict[str, Any] = {"files": files or []}
-        if self.attempts.get(step):
-            fields["attempt"] = self.attempts[step]
-        return self.conn.request("done", root=str(self.root), step=step, rank=self.rank, **fields)
-
-    def fail(self, step: int, reason: str) -> dict[str, Any]:
-        """``fail`` naming the attempt this rank joined."""
-        fields: dict[str, Any] = {"reason": reason}
-        if self.attempts.get(step):
-            fields["attempt"] = self.attempts[step]
-        return self.conn.request("fail", root=str(self.root), step=step, rank=self.rank, **fields)
-
-    def save(self, step: int, size: int = 64) -> dict[str, Any]:
-        """Write this rank's file and send ``done`` (after ``begin``)."""
-        return self.done(step, self.write(step, size))
-
-    def close(self) -> None:
-        """Close its connection."""
-        self.conn.close()
-
-
-class Job:
-    """A protocol-level job: ``per_node`` ranks on each of ``nodes``.
-
-    Ranks are numbered in node order: node 0 holds rank 0, so its daemon leads.
-    """
-
-    def __init__(self, nodes: Sequence[SimNode], root: Path, per_node: int) -> None:
-        world = per_node * len(nodes)
-        self.world_size = world
-        self.ranks = [
-            Rank(node, root, i * per_node + local, world, per_node)
-            for i, node in enumerate(nodes)
-            for local in range(per_node)
-        ]
-
-    def on(self, node: SimNode) -> list[Rank]:
-        """The ranks on ``node``."""
-        return [r for r in self.ranks if r.node is node]
-
-    def begin(self, step: int, ranks: Sequence[Rank] | None = None) -> list[dict[str, Any]]:
-        """``begin`` from each rank (every one by default); every reply must be ok."""
-        replies = [r.begin(step) for r in (self.ranks if ranks is None else ranks)]
-        for reply in replies:
-            assert reply.get("ok"), reply
-        return replies
-
-    def save(self, step: int, ranks: Sequence[Rank] | None = None) -> None:
-        """Each rank (every one by default) writes its file and sends ``done``."""
-        for r in self.ranks if ranks is None else ranks:
-            reply = r.save(step)
-            assert reply.get("ok"), reply
-
-    def close(self) -> None:
-        """Close every rank's connection."""
-        for r in self.ranks:
-            r.close()
