@@ -12,6 +12,8 @@ request per line on stdin and answers one JSON line on stdout:
   the mount may answer from its cache).
 - ``{"op": "open", "path": P}``: ``{"ok": true, "exists": bool}`` by ``open()``, which the
   mount may also answer from its cache for a name it looked up recently.
+- ``{"op": "stat", "path": P}``: ``{"ok": true, "size": N, "ino": I, "mtime_ns": T}``
+  (``size`` null for a missing file), as the mount's attribute cache answers.
 - ``{"op": "list", "path": P}``: ``{"ok": true, "names": [...]}`` (sorted), or
   ``"names": null`` for a missing directory.
 - ``{"op": "read", "path": P}``: ``{"ok": true, "text": str | null}``.
@@ -103,6 +105,12 @@ def handle(request: dict[str, Any]) -> dict[str, Any]:
         return {"ok": True, "exists": os.path.lexists(request["path"])}
     if op == "open":
         return {"ok": True, "exists": _open(request["path"])}
+    if op == "stat":
+        try:
+            st = os.stat(request["path"])
+        except FileNotFoundError:
+            return {"ok": True, "size": None, "ino": None, "mtime_ns": None}
+        return {"ok": True, "size": st.st_size, "ino": st.st_ino, "mtime_ns": st.st_mtime_ns}
     if op == "list":
         return {"ok": True, "names": _list(request["path"])}
     if op == "read":
@@ -156,6 +164,11 @@ class NodeFs:
     def opens(self, path: Path) -> bool:
         """Whether ``open(path)`` succeeds through this node's mount."""
         return bool(self.call("open", path=str(path))["exists"])
+
+    def size(self, path: Path) -> int | None:
+        """The size ``stat`` gives through this node's mount (None if it is missing)."""
+        size: int | None = self.call("stat", path=str(path))["size"]
+        return size
 
     def listdir(self, path: Path) -> list[str] | None:
         """The names in ``path`` through this node's mount (None if it is missing)."""

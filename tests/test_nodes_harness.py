@@ -88,6 +88,22 @@ class TestCaching:
         a.fs.write(tmp / ".ckptd-node-n0.json", data="{}")
         wait_until(lambda: b.fs.listdir(tmp) == [".ckptd-node-n0.json"], 10.0, "B lists A's marker")
 
+    def test_replaced_file_read_stale_then_fresh(self, make_cluster: MakeCluster) -> None:
+        # A marker replaced by a rename through A: B's stat keeps the old file's
+        # attributes for a while, and open() through B already reads the new file's
+        # bytes, but only up to the old size (a JSON reader sees a truncated marker).
+        nodes = make_cluster(2)
+        a, b = nodes[0], nodes[1]
+        path = nodes.root / "marker.json"
+        a.fs.write(path, data="writing")
+        wait_until(lambda: b.fs.size(path) == 7, 10.0, "B sees the first marker")
+        a.fs.write(nodes.root / "marker.tmp", data="done, with every file")
+        assert a.run(["mv", str(nodes.root / "marker.tmp"), str(path)]).returncode == 0
+        assert b.fs.size(path) == 7, "B's cached attributes still describe the old file"
+        assert b.fs.read(path) == "done, w"
+        wait_until(lambda: b.fs.size(path) == 21, 10.0, "B's stat catches up")
+        assert b.fs.read(path) == "done, with every file"
+
     def test_rename_noreplace_einval(self, make_cluster: MakeCluster) -> None:
         nodes = make_cluster(1)
         node = nodes[0]
