@@ -19,6 +19,7 @@ import pytest
 from tests._node_jobs import (
     SETTLE,
     Job,
+    Rank,
     events,
     manifest,
     marked,
@@ -216,3 +217,53 @@ class TestZombieMarkers:
         assert (json.loads((back / "step_1" / ".ckptd-node-n1.json").read_text()))[
             "attempt"
         ] == attempt
+
+
+class TestContradictions:
+    """Nodes that contradict each other fail the step on every node, naming the contradiction."""
+
+    def test_two_nodes_claiming_one_rank(self, make_cluster: MakeCluster) -> None:
+        nodes = make_cluster(2)
+        nodes.start_daemons(settings={"node_timeout": 30.0})
+        ranks = [
+            Rank(nodes[0], nodes.root, 0, 4, 2),
+            Rank(nodes[0], nodes.root, 1, 4, 2),
+            Rank(nodes[1], nodes.root, 1, 4, 2),  # rank 1 again, on the other node
+            Rank(nodes[1], nodes.root, 2, 4, 2),
+        ]
+        try:
+            for r in ranks:
+                assert r.begin(1)["ok"]
+            for r in ranks:
+                r.save(1)  # refused or not: the step must fail either way
+            for answer in settles_everywhere(nodes, 1, "failed"):
+                assert "rank 1" in answer["reason"], answer
+            assert not (nodes.backing_root / "step_1").exists()
+        finally:
+            for r in ranks:
+                r.close()
+
+    def test_local_world_sizes_that_cannot_add_up(self, make_cluster: MakeCluster) -> None:
+        nodes = make_cluster(2)
+        nodes.start_daemons(settings={"node_timeout": 30.0})
+        ranks = [
+            Rank(nodes[0], nodes.root, 0, 4, 2),
+            Rank(nodes[0], nodes.root, 1, 4, 2),
+            Rank(nodes[1], nodes.root, 2, 4, 3),  # 2 + 3 ranks for a world of 4
+        ]
+        try:
+            for r in ranks:
+                assert r.begin(1)["ok"]
+            for r in ranks[:2]:  # the leader's own ranks are done: it reads the others
+                assert r.save(1)["ok"]
+            # The leader fails it. (Node 1, its rank still writing, learns it only once
+            # it writes its own marker: TestMissingNode's strict xfail.)
+            answer = nodes[0].wait(nodes.root, 1, 30.0)
+            assert answer["state"] == "failed", answer
+            assert "local world sizes cannot add up" in answer["reason"], answer
+            the_daemon(nodes[0]).wait_event(
+                "checkpoint.failed", 10.0, match=lambda e: e.get("step") == 1
+            )
+        finally:
+            for r in ranks:
+                r.close()
