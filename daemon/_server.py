@@ -484,34 +484,41 @@ class Daemon:
         reported = {} if save is None else save.reported_files()
         world_size = 0 if save is None else save.world_size
         async with self.root_locks[root.path]:
+            # A failed attempt's set-aside files are judged, and promoted, where they lie
+            # in the trash: they never return to tmp_step_N, where a new attempt writes.
+            source = None
             if save is not None and save.state is p.SaveState.FAILED and save.set_aside:
-                # The failed attempt's files were set aside: bring them back to be judged.
-                restore = _attempts.restore
-                if await self.lanes.run(root.path, restore, root, step, save.set_aside):
-                    self.ledger.restored(key)
-                    self.events.emit(
-                        "save.restored", root=root.path, step=step, attempt=save.attempt
-                    )
-            tmp = root.tmp_dir(step)
+                exists = os.path.isdir
+                if await self.lanes.run(root.path, exists, save.set_aside, abandon=True):
+                    source = save.set_aside
+            tmp = source or root.tmp_dir(step)
             marker = await self.lanes.run(root.path, _attempts.read_marker, tmp, abandon=True)
             attempt = save.attempt if save is not None else ""
             if save is None and marker is not None:
                 attempt = marker.attempt  # a step no journal knows: its directory says whose
             # A step that spans nodes is promoted from its node markers, if they cover it.
-            nodes = await rescue_markers(self, root, step, attempt, save)
+            nodes = await rescue_markers(self, root, step, attempt, save, tmp)
             if nodes is not None:
                 world_size = nodes.world_size
                 reported = {**reported, **nodes.files()}
             try:
                 manifest = await self.lanes.run(
-                    root.path, scan_save, root, step, world_size, reported, attempt, abandon=True
+                    root.path,
+                    scan_save,
+                    root,
+                    step,
+                    world_size,
+                    reported,
+                    attempt,
+                    source,
+                    abandon=True,
                 )
             except VerificationError as exc:
                 raise RequestError(p.ErrorCode.UNVERIFIABLE, str(exc)) from None
         if not manifest.dcp_dirs:
             raise RequestError(
                 p.ErrorCode.UNVERIFIABLE,
-                f"{root.tmp_dir(step)} holds no DCP directory (*.distcp with .metadata): "
+                f"{tmp} holds no DCP directory (*.distcp with .metadata): "
                 "nothing on disk proves the step complete",
             )
         spanning = 0 if nodes is None else nodes.world_size
