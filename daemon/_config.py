@@ -10,6 +10,7 @@ from typing import Any
 from orchestrator.protocol import default_socket_path
 
 from ._errors import ConfigError
+from .retention.config import RetentionConfig, parse_retention
 
 __all__ = ["Config", "RootConfig", "default_socket_path", "default_state_dir", "load_config"]
 
@@ -46,6 +47,9 @@ class RootConfig:
     """The path as configured, when it is a symlink to :attr:`path` (requests may name
     either). The daemon renames only in the resolved directory, so a symlink re-pointed
     while it runs never moves its work elsewhere."""
+    retention: RetentionConfig | None = None
+    """The root's retention policy (TOML ``[roots.retention]``); None: nothing is ever
+    retired."""
 
     def __post_init__(self) -> None:
         if not os.path.isabs(self.path) or os.path.normpath(self.path) != self.path:
@@ -256,6 +260,10 @@ def _root(table: dict[str, Any], source: str | None) -> RootConfig:
     if not os.path.isdir(path):
         raise ConfigError(f"root {path} is not an existing directory; create it first")
     extra = {k: v for k, v in table.items() if k != "path"}
+    if "retention" in extra:  # the [roots.retention] sub-table
+        extra["retention"] = parse_retention(
+            extra["retention"], path, str(extra.get("pointer", "latest"))
+        )
     real = os.path.realpath(path)
     named = path if real != path else ""
     try:

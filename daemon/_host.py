@@ -25,8 +25,19 @@ from ._ledger import Effect, Ledger, SaveKey
 __all__ = ["Collecting", "Host", "Recovering", "Serving"]
 
 
+class _Retains(Protocol):
+    def promoted(self, root: RootConfig, key: SaveKey) -> None: ...
+
+    def replay(self, record: JournalRecord) -> bool: ...
+
+
 class Host(Protocol):
     """The state and actions every part of the daemon shares."""
+
+    @property
+    def retention(self) -> _Retains:
+        """Retention (``daemon.retention``): told of promotions, replays its records."""
+        ...
 
     @property
     def ledger(self) -> Ledger: ...

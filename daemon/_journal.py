@@ -32,9 +32,13 @@ __all__ = [
     "JDone",
     "JFail",
     "JForget",
+    "JHold",
     "JIntent",
+    "JMetrics",
+    "JPin",
     "JPromoted",
     "JRescue",
+    "JRetired",
     "JSaveFailed",
     "JSetAside",
     "Journal",
@@ -122,8 +126,50 @@ class JSetAside(_Record, frozen=True, tag="a"):
     at: float
 
 
+class JMetrics(_Record, frozen=True, tag="ret.m"):
+    """Metrics of the step, merged over what it had (retention's ``keep_best``).
+
+    With ``attempt``: reported in that attempt's ``done``s, the step's once that attempt
+    is promoted; without: the promoted checkpoint's (``training_info.json``, ``score``).
+    """
+
+    metrics: dict[str, float]
+    attempt: str = ""
+
+
+class JPin(_Record, frozen=True, tag="ret.pin"):
+    """The step was pinned (``pinned``) or unpinned: retention never retires a pinned step."""
+
+    pinned: bool
+
+
+class JHold(_Record, frozen=True, tag="ret.hold"):
+    """A reader holds the step until ``until`` (wall-clock seconds); a past time releases."""
+
+    until: float
+
+
+class JRetired(_Record, frozen=True, tag="ret.retired"):
+    """Retention moved the step into the trash as ``entry`` (its doomed name)."""
+
+    entry: str
+    rule: str = ""
+
+
 JournalRecord = (
-    JBegin | JDone | JFail | JSaveFailed | JIntent | JPromoted | JRescue | JForget | JSetAside
+    JBegin
+    | JDone
+    | JFail
+    | JSaveFailed
+    | JIntent
+    | JPromoted
+    | JRescue
+    | JForget
+    | JSetAside
+    | JMetrics
+    | JPin
+    | JHold
+    | JRetired
 )
 """Every kind of journal record."""
 

@@ -71,6 +71,7 @@ async def serve(
                 await services.start(daemon.lanes.serve)
                 await recover(daemon, replay)
                 daemon.trash.start()  # also deletes what a previous run doomed
+                await services.start(daemon.retention.serve)
                 services.start_soon(daemon.timekeeper)
                 if shutdown_trigger is not None:
                     services.start_soon(_trigger, shutdown_trigger, stop)
@@ -100,6 +101,7 @@ async def serve(
                 # Promotions in flight are shielded: let them finish and journal their
                 # outcome before the journal writer stops.
                 await daemon.promoter.idle()
+                await daemon.retention.stop()  # while the journal still writes
                 services.cancel_scope.cancel()
         daemon.trash.close()
         daemon.events.emit("daemon.stopped")

@@ -137,6 +137,7 @@ class Promoter:
         except RuntimeError as exc:  # the ledger no longer expects it: a bug, never fatal
             daemon.events.emit("daemon.internal_error", "error", where="promoted", error=repr(exc))
         crash_point("after_promoted")
+        daemon.retention.promoted(root, key)  # a pass in the background, after this lock
 
     async def _intent(self, key: SaveKey) -> None:
         """Journal that ``key`` passed verification and is about to be renamed."""
