@@ -42,6 +42,7 @@ from ._config import RootConfig
 from ._events import Events
 from ._gc import doomed_dir
 from ._mounts import mount_table
+from .retention.disk import doomed_step
 
 __all__ = ["TRANSIENT", "Removal", "TrashRemover", "remove_entry"]
 
@@ -305,6 +306,11 @@ class _RootRemover:
                     attempts=pending.attempts,
                     duration_s=round(time.monotonic() - pending.first_seen, 3),
                 )
+                step = doomed_step(self._root, name)
+                if step is not None:  # a checkpoint retention retired: now it is gone
+                    self._event(
+                        "checkpoint.deleted", "info", step=step, entry=name, bytes=pending.bytes
+                    )
             elif removal.errors:
                 pending.failed = True
                 self._event(
