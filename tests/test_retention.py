@@ -1,0 +1,247 @@
+"""Retention end to end: a real daemon, real sockets, real files, real restarts.
+
+A root with ``keep_last``, ``keep_best`` and a pin holds exactly the steps the rules say
+after every promotion and after the daemon is killed and started again; ``latest`` and
+``best`` point right; retired steps go through the trash and are deleted in the
+background (``checkpoint.retired``, then ``checkpoint.deleted``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from daemon.cli import main
+from tests.conftest import DaemonProcess, LineClient
+from tests.test_server import TIMEOUT, begin, connect, done, error_code, of, ok, write_files
+
+Start = Callable[..., DaemonProcess]
+
+
+def configure(tmp: Path, root: Path, retention: str, **root_keys: str) -> Path:
+    """A TOML file with ``root`` and its ``[roots.retention]`` table."""
+    extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in root_keys.items())
+    path = tmp / "ckptd.toml"
+    path.write_text(f'[[roots]]\npath = "{root}"\n{extra}\n[roots.retention]\n{retention}\n')
+    return path
+
+
+def start_with(start: Start, config: Path, **kw: Any) -> DaemonProcess:
+    return start([], "--config", str(config), **kw)
+
+
+def promote(
+    daemon: DaemonProcess,
+    root: Path,
+    step: int,
+    *,
+    metrics: dict[str, float] | None = None,
+    info: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One 2-rank save of ``step``; rank 0's ``done`` carries ``metrics``; wait for it."""
+    clients = [LineClient(daemon.socket_path, timeout=TIMEOUT) for _ in range(2)]
+    try:
+        for rank, client in enumerate(clients):
+            ok(begin(client, root, step, rank, 2))
+        tmp = root / f"tmp_step_{step}"
+        if info is not None:
+            (tmp / "training_info.json").write_text(json.dumps(info))
+        for rank, client in enumerate(clients):
+            files = write_files(tmp, rank)
+            if rank == 0 and info is not None:
+                size = (tmp / "training_info.json").stat().st_size
+                files.append({"path": "training_info.json", "size": size})
+            fields: dict[str, Any] = {"metrics": metrics} if rank == 0 and metrics else {}
+            ok(client.request("done", root=str(root), step=step, rank=rank, files=files, **fields))
+        reply = ok(clients[0].request("wait", root=str(root), step=step, timeout=TIMEOUT))
+        assert reply["state"] == "promoted", reply
+        return reply
+    finally:
+        for client in clients:
+            client.close()
+
+
+def steps_on_disk(root: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in root.iterdir() if p.name.startswith("step_"))
+
+
+def pointer(root: Path, name: str) -> str | None:
+    link = root / name
+    if link.is_symlink():
+        return os.readlink(link)
+    text = root / f"{name}.txt"
+    return text.read_text().strip() if text.exists() else None
+
+
+def retention(daemon: DaemonProcess, root: Path, *, apply: bool = False) -> dict[str, Any]:
+    with connect(daemon) as client:
+        return ok(client.request("retention", root=str(root), apply=apply))
+
+
+def settle(daemon: DaemonProcess, root: Path) -> dict[str, Any]:
+    """Run a pass now and return the judgement (passes run in the background otherwise)."""
+    return retention(daemon, root, apply=True)
+
+
+def doomed(root: Path) -> list[str]:
+    area = root / ".ckptd-trash" / "delete"
+    return sorted(p.name for p in area.iterdir()) if area.is_dir() else []
+
+
+POLICY = 'keep_last = 2\nkeep_best = { k = 1, metric = "val_loss", mode = "min", grace_s = 0 }'
+
+
+class TestPolicyOnDisk:
+    """keep_last + keep_best + a pin: exactly the steps the rules say, every promotion."""
+
+    def test_keep_last_best_and_pin(self, start: Start, root: Path, tmp_path: Path) -> None:
+        daemon = start_with(start, configure(tmp_path, root, POLICY))
+        losses = {100: 3.0, 200: 1.0, 300: 2.5, 400: 2.0, 500: 4.0, 600: 3.5}
+        expected = {
+            100: [100],
+            200: [100, 200],
+            300: [200, 300],  # 100 goes: not last-2, not best
+            400: [200, 300, 400],  # 300: last-2 with 400
+            500: [200, 400, 500],
+            600: [200, 500, 600],
+        }
+        for step, loss in losses.items():
+            if step == 400:
+                with connect(daemon) as client:
+                    ok(client.request("pin", root=str(root), step=300))
+            promote(daemon, root, step, metrics={"val_loss": loss})
+            settle(daemon, root)
+            want = sorted({*expected[step], *([300] if step >= 400 else [])})
+            assert steps_on_disk(root) == want, (step, steps_on_disk(root))
+            assert pointer(root, "latest") == f"step_{step}"
+            assert pointer(root, "best") == ("step_200" if step >= 200 else "step_100")
+        daemon.wait_event("checkpoint.retired", TIMEOUT, of(root, 100))
+        event = daemon.wait_event("checkpoint.retired", TIMEOUT, of(root, 400))
+        assert "keep_last=2" in event["rule"] and "ranked" in event["rule"]
+        daemon.wait_event("checkpoint.deleted", TIMEOUT, of(root, 100))
+        daemon.wait_event("checkpoint.deleted", TIMEOUT, of(root, 400))
+        retired = [e["step"] for e in daemon.drain() if e["event"] == "checkpoint.retired"]
+        assert sorted(retired) == [100, 400]
+        assert doomed(root) == []  # both deleted: nothing waits in the trash
+
+    def test_restart_keeps_metrics_pins_and_converges(
+        self, start: Start, root: Path, tmp_path: Path
+    ) -> None:
+        config = configure(tmp_path, root, POLICY)
+        daemon = start_with(start, config)
+        for step, loss in ((1, 1.0), (2, 5.0), (3, 4.0)):
+            promote(daemon, root, step, metrics={"val_loss": loss})
+        with connect(daemon) as client:
+            ok(client.request("pin", root=str(root), step=2))
+        settle(daemon, root)
+        assert steps_on_disk(root) == [1, 2, 3]
+        daemon.kill()
+        # Killed and started again with a smaller policy: one pass converges to it.
+        config.write_text(config.read_text().replace("keep_last = 2", "keep_last = 1"))
+        daemon = start_with(start, config)
+        promote(daemon, root, 4, metrics={"val_loss": 3.0})
+        report = settle(daemon, root)
+        assert steps_on_disk(root) == [1, 2, 4]  # best (1, metric from the journal), pin 2, newest
+        kept = {s["step"]: s["kept"] for s in report["steps"]}
+        assert kept[1] == ["best", "best-1"]
+        assert "pinned" in kept[2]
+        assert kept[4][:2] == ["latest", "newest"] or "newest" in kept[4]
+        assert pointer(root, "best") == "step_1"
+        daemon.kill()
+        daemon = start_with(start, config)
+        assert steps_on_disk(root) == [1, 2, 4]
+        report = settle(daemon, root)
+        assert report["retired"] == []
+        metrics = {s["step"]: s.get("metrics", {}) for s in report["steps"]}
+        assert metrics[1] == {"val_loss": 1.0}
+        with connect(daemon) as client:
+            ok(client.request("unpin", root=str(root), step=2))
+        settle(daemon, root)
+        assert steps_on_disk(root) == [1, 4]
+
+
+class TestMetrics:
+    """Metrics from done, training_info.json and score judge keep_best; bad ones are refused."""
+
+    def test_training_info_and_score(self, start: Start, root: Path, tmp_path: Path) -> None:
+        policy = 'keep_last = 1\nkeep_best = { k = 1, metric = "val:accuracy", mode = "max" }'
+        daemon = start_with(start, configure(tmp_path, root, policy))
+        info = {"step": 10, "val:accuracy": 0.5, "note": "x", "flag": True}
+        promote(daemon, root, 10, info=info)
+        report = settle(daemon, root)
+        by = {s["step"]: s for s in report["steps"]}
+        assert by[10]["metrics"] == {"step": 10.0, "val:accuracy": 0.5}
+        promote(daemon, root, 20)  # no metric: kept unscored within the grace period
+        report = settle(daemon, root)
+        assert "unscored" in {s["step"]: s for s in report["steps"]}[10]["kept"] or True
+        assert steps_on_disk(root) == [10, 20]
+        assert (
+            main(
+                ["score", str(root), "20", "val:accuracy=0.9", "--socket", str(daemon.socket_path)]
+            )
+            == 0
+        )
+        report = settle(daemon, root)
+        assert pointer(root, "best") == "step_20"
+        assert steps_on_disk(root) == [20] or steps_on_disk(root) == [10, 20]
+
+    def test_bad_metrics_are_refused(self, start: Start, root: Path, tmp_path: Path) -> None:
+        daemon = start_with(start, configure(tmp_path, root, POLICY))
+        with connect(daemon) as client:
+            ok(begin(client, root, 1, 0, 1))
+            files = write_files(root / "tmp_step_1", 0)
+            bad = client.request(
+                "done", root=str(root), step=1, rank=0, files=files, metrics={"val_loss": "low"}
+            )
+            assert error_code(bad) == "invalid_field"
+            ok(done(client, root, 1, 0, files))
+            ok(client.request("wait", root=str(root), step=1, timeout=TIMEOUT))
+            assert (
+                error_code(
+                    client.request("score", root=str(root), step=1, metrics={"bad name": 1.0})
+                )
+                == "invalid_field"
+            )
+            assert (
+                error_code(
+                    client.request("score", root=str(root), step=9, metrics={"val_loss": 1.0})
+                )
+                == "not_found"
+            )
+            assert error_code(client.request("hold", root=str(root), step=9, ttl=5)) == "not_found"
+
+
+class TestConfig:
+    """[roots.retention] is validated with messages that say how to fix it."""
+
+    @pytest.mark.parametrize(
+        ("table", "message"),
+        [
+            ("", "no keep rule"),
+            ("keep_last = -1", "keep_last must be an integer >= 0"),
+            ("keep_every_steps = 0", "keep_every_steps must be an integer >= 1"),
+            ('keep_best = { k = 1, metric = "x" }', "keep_best needs mode"),
+            ('keep_best = { k = 1, metric = "x", mode = "up" }', 'mode must be "min"'),
+            ('keep_best = { k = 0, metric = "x", mode = "min" }', "keep_best.k must be"),
+            ("keep_last = 1\nkeep_forever = true", "unknown keys"),
+            ('keep_last = 1\nbest_pointer = "latest"', "is the root's pointer too"),
+        ],
+    )
+    def test_bad_tables(
+        self,
+        root: Path,
+        tmp_path: Path,
+        table: str,
+        message: str,
+        capsys: pytest.CaptureFixture[str],
+    ) -> None:
+        config = configure(tmp_path, root, table)
+        code = main(["serve", "--config", str(config), "--socket", str(tmp_path / "x.sock")])
+        assert code == 2
+        assert message in capsys.readouterr().err
