@@ -1,4 +1,4 @@
-"""The retention policy as a pure function, with hypothesis: what is never retired, idempotence, convergence."""
+"""The retention policy as a pure function (hypothesis): never-retired steps, idempotence, convergence."""
 
 from __future__ import annotations
 
