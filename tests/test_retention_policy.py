@@ -1,8 +1,10 @@
-"""The retention policy as a pure function (hypothesis): never-retired steps, idempotence, convergence."""
+"""The retention policy, a pure function, under hypothesis: what stays, idempotence, convergence."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -48,7 +50,7 @@ def policies(draw: st.DrawFn) -> Policy:
     )
 
 
-def narrower(policy: Policy, draw: st.DrawFn) -> Policy:
+def narrower(policy: Policy, draw: Callable[[st.SearchStrategy[Any]], Any]) -> Policy:
     """A policy that keeps no more than ``policy`` on any set of steps."""
     last = policy.keep_last
     if last is not None:
@@ -62,7 +64,9 @@ def narrower(policy: Policy, draw: st.DrawFn) -> Policy:
     return Policy(keep_last=last, keep_every_steps=every, keep_best=best)
 
 
-def pointers_of(steps: list[StepFacts], draw: st.DrawFn) -> dict[str, int | None]:
+def pointers_of(
+    steps: list[StepFacts], draw: Callable[[st.SearchStrategy[Any]], Any]
+) -> dict[str, int | None]:
     names = [s.step for s in steps]
     pick = st.none() | (st.sampled_from(names) if names else st.none())
     return {"latest": draw(pick), "best": draw(pick)}
