@@ -9,6 +9,7 @@ imports its parts; they import only what they use.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 import anyio
@@ -25,6 +26,10 @@ from ._ledger import Effect, Ledger, SaveKey
 __all__ = ["Collecting", "Host", "Recovering", "Serving"]
 
 
+class _Pauses(Protocol):
+    def pause(self, root: RootConfig) -> AbstractContextManager[None]: ...
+
+
 class _Retains(Protocol):
     def promoted(self, root: RootConfig, key: SaveKey) -> None: ...
 
@@ -33,6 +38,11 @@ class _Retains(Protocol):
 
 class Host(Protocol):
     """The state and actions every part of the daemon shares."""
+
+    @property
+    def trash(self) -> _Pauses:
+        """The background remover (``daemon._trash``): paused while a root promotes."""
+        ...
 
     @property
     def retention(self) -> _Retains:
@@ -86,7 +96,7 @@ class Serving(Host, Protocol):
         ...
 
 
-class _Trash(Protocol):
+class _Trash(_Pauses, Protocol):
     def kick(self, root: RootConfig) -> None: ...
 
 

@@ -66,8 +66,9 @@ class Promoter:
         try:
             with anyio.CancelScope(shield=True):
                 root = self._daemon.configured(key.root)
-                async with self._daemon.root_locks[root.path]:
-                    await self._promote_locked(root, key)
+                with self._daemon.trash.pause(root):  # deletion waits for promotions
+                    async with self._daemon.root_locks[root.path]:
+                        await self._promote_locked(root, key)
         finally:
             self._running -= 1
             if not self._running:

@@ -24,6 +24,7 @@ daemon's exit; whatever it had left is deleted by the next run.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import os
@@ -31,7 +32,7 @@ import stat
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -59,6 +60,8 @@ TRANSIENT: Final = frozenset({errno.EBUSY, errno.ENOTEMPTY, errno.ESTALE, errno.
 """Errors that clear by themselves (a file in use, a directory refilled, NFS)."""
 
 _NFS_SILLY: Final = ".nfs"
+_SYNC_EVERY: Final = 256
+"""Unlinks per thread between flushes of their directory (see :func:`_flush_parent`)."""
 
 
 @dataclass(slots=True)
@@ -80,7 +83,13 @@ class Removal:
     """Why parts could not be removed at all (not retried on their own)."""
 
 
-def remove_entry(path: str, *, workers: int = WORKERS, mounts: Iterable[str] = ()) -> Removal:
+def remove_entry(
+    path: str,
+    *,
+    workers: int = WORKERS,
+    mounts: Iterable[str] = (),
+    gate: threading.Event | None = None,
+) -> Removal:
     """Delete ``path`` and everything under it, as far as one pass can. Blocking I/O.
 
     Symlinks are unlinked, never followed. Directories on another filesystem than
@@ -90,6 +99,8 @@ def remove_entry(path: str, *, workers: int = WORKERS, mounts: Iterable[str] = (
         path: The doomed entry.
         workers: Threads unlinking files at once.
         mounts: Mount points, as in the mount table.
+        gate: When given, every unlink, ``rmdir`` and directory listing waits until it
+            is set: cleared while the root promotes (:meth:`TrashRemover.pause`).
     """
     result = Removal()
     try:
@@ -103,7 +114,7 @@ def remove_entry(path: str, *, workers: int = WORKERS, mounts: Iterable[str] = (
         result.busy.append(f"{path} is a mount point")
         return result
     if not stat.S_ISDIR(top.st_mode):
-        _unlink_all([path], 1, result)
+        _unlink_all([path], 1, result, gate)
         result.gone = not result.busy and not result.errors
         return result
     files: list[str] = []
@@ -113,6 +124,8 @@ def remove_entry(path: str, *, workers: int = WORKERS, mounts: Iterable[str] = (
     while stack:
         directory = stack.pop()
         dirs.append(directory)
+        if gate is not None:
+            gate.wait()
         try:
             with os.scandir(directory) as entries:
                 for entry in entries:
@@ -132,10 +145,12 @@ def remove_entry(path: str, *, workers: int = WORKERS, mounts: Iterable[str] = (
             if exc.errno != errno.ENOENT:
                 _problem(result, directory, exc)
                 _block(blocked, directory, path)
-    _unlink_all(files, workers, result)
+    _unlink_all(files, workers, result, gate)
     for directory in reversed(dirs):
         if directory in blocked:
             continue
+        if gate is not None:
+            gate.wait()
         try:
             os.rmdir(directory)
         except FileNotFoundError:
@@ -176,7 +191,28 @@ def _problem(result: Removal, path: str, exc: OSError) -> None:
     (result.busy if exc.errno in TRANSIENT else result.errors).append(why)
 
 
-def _unlink_all(paths: list[str], workers: int, result: Removal) -> None:
+def _flush_parent(path: str) -> None:
+    """Commit the unlinks so far (fsync their directory), a few at a time.
+
+    On a journaling filesystem the next ``fsync`` of anything commits every metadata
+    change still pending: flushed here, in the deletion's thread, a promotion's first
+    flush does not pay for thousands of unlinks at once.
+    """
+    try:
+        fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # only an optimisation; the removal stands either way
+    finally:
+        os.close(fd)
+
+
+def _unlink_all(
+    paths: list[str], workers: int, result: Removal, gate: threading.Event | None = None
+) -> None:
     """Unlink ``paths`` from up to ``workers`` threads, adding to ``result``."""
     queue = deque(paths)
     lock = threading.Lock()
@@ -189,6 +225,8 @@ def _unlink_all(paths: list[str], workers: int, result: Removal) -> None:
                 path = queue.popleft()
             except IndexError:
                 break
+            if gate is not None:
+                gate.wait()
             try:
                 length = os.lstat(path).st_size
                 os.unlink(path)
@@ -197,6 +235,8 @@ def _unlink_all(paths: list[str], workers: int, result: Removal) -> None:
                 continue
             done += 1
             size += length
+            if gate is not None and done % _SYNC_EVERY == 0:
+                _flush_parent(path)
         with lock:
             result.entries += done
             result.bytes += size
@@ -229,10 +269,13 @@ class _Pending:
 class _RootRemover:
     """The thread deleting one root's doomed entries."""
 
-    def __init__(self, root: RootConfig, emit: Callable[..., None], workers: int) -> None:
+    def __init__(
+        self, root: RootConfig, emit: Callable[..., None], workers: int, gate: threading.Event
+    ) -> None:
         self._root = root
         self._emit = emit
         self._workers = workers
+        self.gate = gate
         self._cond = threading.Condition()
         self._kicked = True
         self._closed = False
@@ -292,7 +335,9 @@ class _RootRemover:
             if pending.failed or pending.retry_at > now:
                 continue
             pending.attempts += 1
-            removal = remove_entry(os.path.join(base, name), workers=self._workers, mounts=mounts)
+            removal = remove_entry(
+                os.path.join(base, name), workers=self._workers, mounts=mounts, gate=self.gate
+            )
             pending.bytes += removal.bytes
             pending.entries += removal.entries
             if removal.gone:
@@ -380,6 +425,10 @@ class TrashRemover:
         self._roots = {root.path: root for root in roots}
         self._workers = workers
         self._removers: dict[str, _RootRemover] = {}
+        self._gates = {path: threading.Event() for path in self._roots}
+        for gate in self._gates.values():
+            gate.set()
+        self._pausing = dict.fromkeys(self._roots, 0)
 
     def start(self) -> None:
         """Start removing; resumes what a previous run doomed. Call on the event loop."""
@@ -390,7 +439,29 @@ class TrashRemover:
             anyio.from_thread.run_sync(call, token=token)
 
         for path, root in self._roots.items():
-            self._removers[path] = _RootRemover(root, emit, self._workers)
+            self._removers[path] = _RootRemover(root, emit, self._workers, self._gates[path])
+
+    @contextlib.contextmanager
+    def pause(self, root: RootConfig) -> Iterator[None]:
+        """Hold ``root``'s deletion while the block runs (a promotion). Never blocks.
+
+        Its threads stop before their next unlink, ``rmdir`` or listing and go on once no
+        pause of the root is left: a promotion's flushes never queue behind a deletion's
+        metadata writes, nor its verification behind the deletion's threads.
+        """
+        path = root.path
+        gate = self._gates.get(path)
+        if gate is None:
+            yield
+            return
+        self._pausing[path] += 1
+        gate.clear()
+        try:
+            yield
+        finally:
+            self._pausing[path] -= 1
+            if not self._pausing[path]:
+                gate.set()
 
     def kick(self, root: RootConfig) -> None:
         """There is something new to delete in ``root``; never blocks."""
