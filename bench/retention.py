@@ -30,7 +30,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from ._common import BenchResult, Daemon, Row, median, p99, print_table, scratch_dir
+from ._common import BenchResult, Daemon, Row, median, p99, parse_ts, print_table, scratch_dir
 from .promotion import _Line, _one
 
 __all__ = ["run"]
@@ -105,6 +105,7 @@ def run(quick: bool = True, *, files: int | None = None, rounds: int | None = No
     nxt: list[float] = []
     during: list[float] = []
     after: list[float] = []
+    delete_s: list[float] = []
     with ExitStack() as stack:
         work = stack.enter_context(scratch_dir())
         plain, kept = work / "plain", work / "kept"
@@ -150,7 +151,9 @@ def run(quick: bool = True, *, files: int | None = None, rounds: int | None = No
                 (after if deleted else during).append(sample)
                 if deleted or len(during) > 500:
                     break
-            events.until("checkpoint.deleted", big)
+            gone = events.until("checkpoint.deleted", big)
+            began = events.until("checkpoint.retired", big)
+            delete_s.append(parse_ts(gone["timestamp"]) - parse_ts(began["timestamp"]))
     ratio_base = median(base)
     rows = []
     row = Row(
@@ -162,17 +165,23 @@ def run(quick: bool = True, *, files: int | None = None, rounds: int | None = No
     row.target, row.met = "<= 1.2x", row.ratio <= 1.2
     row.note = "100-file promotion right after a pass retired the large checkpoint"
     rows.append(row)
-    row = Row("retention", "promotions during the deletion", "latency", "ms", median(during))
-    row.p99, row.n = p99(during), len(during)
-    row.baseline, row.baseline_name = ratio_base, "no retention"
-    row.ratio = row.median / ratio_base if during else None
-    row.note = "every promotion that ended before checkpoint.deleted"
-    rows.append(row)
+    if during:  # none when the deletion ended before the next promotion did
+        row = Row("retention", "promotions during the deletion", "latency", "ms", median(during))
+        row.p99, row.n = p99(during), len(during)
+        row.baseline, row.baseline_name = ratio_base, "no retention"
+        row.ratio = row.median / ratio_base
+        row.note = "every promotion that ended before checkpoint.deleted"
+        rows.append(row)
     row = Row("retention", "baseline, 100 files", "latency", "ms", ratio_base)
     row.p99, row.n = p99(base), len(base)
     row.note = "a root without a policy, nothing being deleted, same daemon and disk"
     rows.append(row)
+    row = Row("retention", f"deleting {count:,} files", "retired -> deleted", "s", median(delete_s))
+    row.p99, row.n = p99(delete_s), len(delete_s)
+    row.note = "in the background, pausing while the root promotes"
+    rows.append(row)
     raw = {"files": count, "baseline_ms": base, "next_ms": nxt, "during_ms": during}
+    raw["delete_s"] = delete_s
     raw["after_ms"] = after
     return BenchResult(rows, raw)
 
