@@ -131,10 +131,13 @@ class JMetrics(_Record, frozen=True, tag="ret.m"):
 
     With ``attempt``: reported in that attempt's ``done``s, the step's once that attempt
     is promoted; without: the promoted checkpoint's (``training_info.json``, ``score``).
+    ``adopted``: the step was found promoted and took its metrics; what its attempts
+    reported is settled.
     """
 
     metrics: dict[str, float]
     attempt: str = ""
+    adopted: bool = False
 
 
 class JPin(_Record, frozen=True, tag="ret.pin"):

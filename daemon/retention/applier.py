@@ -146,6 +146,10 @@ class Retention:
                 self._daemon.events.emit(
                     "retention.failed", "warning", root=root.path, error=str(exc)
                 )
+            except Exception as exc:  # a task boundary: a bug must not stop the daemon
+                self._daemon.events.emit(
+                    "daemon.internal_error", "error", where="retention", error=repr(exc)
+                )
 
     # -- a pass ------------------------------------------------------------------------
 
@@ -206,7 +210,8 @@ class Retention:
             if need_info:
                 path = root.final_dir(f.step)
                 info = await self._daemon.lanes.run(root.path, disk.training_info_metrics, path)
-            changed = bool(self.state.adopt(key, f.attempt, info)) or changed
+            self.state.adopt(key, f.attempt, info)
+            changed = True
         if changed:
             await self._daemon.commit([])
 
@@ -410,7 +415,12 @@ class Retention:
         if config is None:
             info = p.RetentionInfo(policy="", prunes=self.may_prune(root))
             return p.RetentionReply(id=request.id, info=info, steps=[])
-        verdicts, best, gone = await self.run_pass(root, apply=request.apply)
+        try:
+            verdicts, best, gone = await self.run_pass(root, apply=request.apply)
+        except OSError as exc:
+            raise RequestError(
+                p.ErrorCode.INVALID_STATE, f"cannot judge {root.path}: {exc.strerror or exc}"
+            ) from None
         now = time.time()
         steps = []
         for v in verdicts:

@@ -119,9 +119,9 @@ class RetentionState:
         held = self._pending.pop(key, None)
         if held is not None and held[0] == attempt:
             added.update(held[1])
-        if added:
+        if added or held is not None:
             self._merge(key, added)
-            self._record(JMetrics(key.root, key.step, added))
+            self._record(JMetrics(key.root, key.step, added, adopted=True))
         return added
 
     def score(self, key: SaveKey, metrics: Mapping[str, float]) -> None:
@@ -183,7 +183,9 @@ class RetentionState:
         """Apply a journaled record; False if it is none of retention's."""
         key = SaveKey(record.root, record.step)
         match record:
-            case JMetrics(metrics=metrics, attempt=attempt):
+            case JMetrics(metrics=metrics, attempt=attempt, adopted=adopted):
+                if adopted:
+                    self._pending.pop(key, None)
                 if attempt:
                     held = self._pending.get(key)
                     merged = dict(held[1]) if held is not None and held[0] == attempt else {}
@@ -219,7 +221,8 @@ class RetentionState:
     # -- internals ---------------------------------------------------------------------
 
     def _merge(self, key: SaveKey, metrics: Mapping[str, float]) -> None:
-        self._metrics.setdefault(key, {}).update(metrics)
+        if metrics:
+            self._metrics.setdefault(key, {}).update(metrics)
 
     def _drop(self, key: SaveKey) -> None:
         self._metrics.pop(key, None)
