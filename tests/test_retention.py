@@ -350,3 +350,22 @@ class TestCli:
         assert "policy keep_every_steps=10 keep_best=1:loss:min" in out
         assert "nothing to retire" in out
         assert steps_on_disk(root) == [10, 20]
+
+
+class TestDocumentedConfig:
+    """The policy in systemd/ckptd.toml (commented out there) loads as documented."""
+
+    def test_example(self, root: Path, tmp_path: Path) -> None:
+        from daemon import load_config
+
+        text = (Path(__file__).parent.parent / "systemd" / "ckptd.toml").read_text()
+        block = text[text.index("# [roots.retention]") :].split("\n\n")[0]
+        table = "\n".join(line[2:] for line in block.splitlines())
+        path = tmp_path / "example.toml"
+        path.write_text(f'[[roots]]\npath = "{root}"\n\n{table}\n')
+        (loaded,) = load_config(config_file=str(path)).roots
+        assert loaded.retention is not None
+        assert loaded.retention.policy.describe() == (
+            "keep_last=3 keep_every_steps=1000 keep_best=2:val_loss:min"
+        )
+        assert loaded.retention.best_pointer == "best"
