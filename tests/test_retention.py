@@ -369,3 +369,29 @@ class TestDocumentedConfig:
             "keep_last=3 keep_every_steps=1000 keep_best=2:val_loss:min"
         )
         assert loaded.retention.best_pointer == "best"
+
+
+class TestNotOurs:
+    """A step_N the daemon did not promote is never retired, and never counted."""
+
+    def test_foreign_step_dirs_stay(self, start: Start, root: Path, tmp_path: Path) -> None:
+        (root / "step_1").mkdir()  # copied in by hand: no manifest
+        (root / "step_1" / "weights.bin").write_bytes(b"x")
+        (root / "step_2").write_text("a file, not a checkpoint")
+        (root / "step_3").mkdir()  # a manifest naming another step
+        (root / "step_3" / ".ckptd-manifest.json").write_text(
+            json.dumps({"root": str(root), "step": 30, "created": ""})
+        )
+        daemon = start_with(start, configure(tmp_path, root, "keep_last = 1"))
+        for step in (10, 11, 12):
+            promote(daemon, root, step)
+        report = settle(daemon, root)
+        kept = {s["step"]: s["kept"] for s in report["steps"]}
+        assert kept == {
+            1: ["incomplete"],
+            2: ["incomplete"],
+            3: ["incomplete"],
+            12: ["newest", "latest", "last-1"],
+        }
+        assert steps_on_disk(root) == [1, 2, 3, 12]
+        assert (root / "step_1" / "weights.bin").read_bytes() == b"x"
