@@ -125,3 +125,46 @@ class TestTrainingInfo:
         assert training_info_metrics(str(tmp_path)) == {}
         (tmp_path / "training_info.json").write_text(json.dumps({"x": 1, "pad": "y" * 2**20}))
         assert training_info_metrics(str(tmp_path)) == {}
+
+
+class TestScan:
+    """Complete checkpoints are found from their manifest's head, large ones too."""
+
+    def test_large_manifest(self, tmp_path: Path) -> None:
+        import msgspec
+
+        from daemon._config import RootConfig
+        from daemon._verify import MANIFEST_NAME, Manifest
+        from daemon.retention.disk import ManifestCache, scan
+        from orchestrator.protocol import ATTEMPT_MARKER, AttemptMarker
+
+        root = RootConfig(path=str(tmp_path), real=str(tmp_path))
+        files = {f"model/shard_{i:06d}.distcp": 1000 + i for i in range(5000)}
+        for step, attempt in ((4, "a4"), (5, "a5")):
+            final = tmp_path / f"step_{step}"
+            final.mkdir()
+            manifest = Manifest(
+                root=str(tmp_path),
+                step=step,
+                world_size=2,
+                created="2026-12-01T10:00:00Z",
+                bytes=sum(files.values()),
+                files=files if step == 5 else {},
+                dirs=["."],
+                dcp_dirs=["model"],
+                attempt=attempt,
+            )
+            (final / MANIFEST_NAME).write_bytes(msgspec.json.encode(manifest))
+            marker = AttemptMarker(
+                attempt=attempt, root=str(tmp_path), step=step, world_size=2, created=""
+            )
+            (final / ATTEMPT_MARKER).write_bytes(msgspec.json.encode(marker))
+        assert (tmp_path / "step_5" / MANIFEST_NAME).stat().st_size > 64 * 1024
+        cache: ManifestCache = {}
+        found = scan(root, cache)
+        assert [(f.step, f.complete, f.attempt) for f in found] == [
+            (4, True, "a4"),
+            (5, True, "a5"),
+        ]
+        assert found[1].promoted_at == 1796119200.0
+        assert scan(root, cache) == found  # from the cache: stat only

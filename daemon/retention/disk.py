@@ -23,6 +23,7 @@ from typing import Any, Final
 import msgspec
 
 from .. import _gc
+from .._attempts import read_marker
 from .._config import RootConfig
 from .._durable import fsync_dir, write_atomic
 from .._promoter import read_pointer
@@ -45,6 +46,7 @@ TRAINING_INFO: Final = "training_info.json"
 """NeMo-RL's file of the step's training state, at the top of the step's directory."""
 
 _MAX_INFO: Final = 1024 * 1024
+_HEAD_BYTES: Final = 64 * 1024
 _METRIC: Final = re.compile(r"^[A-Za-z0-9_.:/@+-]{1,128}$")
 _RETIRED: Final = ".retired-"
 
@@ -109,14 +111,34 @@ def _facts(root: RootConfig, step: int, cache: ManifestCache) -> Found:
     if cached is not None and cached[0] == stamp:
         return cached[1]
     try:
-        with open(path, "rb") as fh:
-            head = msgspec.json.decode(fh.read(), type=_Head)
+        head = _read_head(path)
     except (OSError, msgspec.DecodeError):
         return Found(step, complete=False)
     complete = head.step == step and head.root in (root.path, root.real, root.named)
     facts = Found(step, complete, _when(head.created, st.st_mtime), head.attempt)
     cache[(root.path, step)] = (stamp, facts)
     return facts
+
+
+def _read_head(path: str) -> _Head:
+    """The manifest's root, step, creation time and attempt, without parsing its file list.
+
+    A large checkpoint's manifest lists every file (megabytes of JSON); parsing it whole
+    would hold the interpreter for tens of milliseconds. The daemon writes the manifest
+    with ``files`` after the fields read here, and ``,"files":`` cannot occur inside a
+    JSON string, so the part before it, closed, is the head. The attempt, written last,
+    is then read from the checkpoint's attempt marker, which the promotion renamed with it.
+    """
+    with open(path, "rb") as fh:
+        data = fh.read(_HEAD_BYTES + 1)
+        if len(data) <= _HEAD_BYTES:
+            return msgspec.json.decode(data, type=_Head)
+        cut = data.find(b',"files":')
+        if cut < 0:  # not as the daemon writes it: parse it all
+            return msgspec.json.decode(data + fh.read(), type=_Head)
+    head = msgspec.json.decode(data[:cut] + b"}", type=_Head)
+    marker = read_marker(os.path.dirname(path))
+    return msgspec.structs.replace(head, attempt=marker.attempt if marker is not None else "")
 
 
 def _when(created: str, fallback: float) -> float:
