@@ -98,7 +98,13 @@ async def _plan(daemon: Collecting, root: RootConfig) -> dict[int, _Step]:
     saves = {s.key.step: s for s in _saves_of(daemon, root)}
     seen = {n: (s, s.state, s.set_aside) for n, s in saves.items()}
     busy = _busy_steps(daemon, root)
-    failed = {n: s for n, s in saves.items() if s.state is p.SaveState.FAILED and n not in busy}
+    # A failed save that spans nodes leaves a directory shared with the other nodes:
+    # only its leader takes it (when it sets it aside); elsewhere it is not this daemon's.
+    failed = {
+        n: s
+        for n, s in saves.items()
+        if s.state is p.SaveState.FAILED and n not in busy and (not s.spans or s.leader)
+    }
     attempts = {n: s.attempt for n, s in failed.items()}
     # An unknown tmp dir counts as orphaned only once it could no longer be a save whose
     # ranks write before they begin.

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import socket as _socket
 import tomllib
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +17,13 @@ from .retention.config import RetentionConfig, parse_retention
 __all__ = ["Config", "RootConfig", "default_socket_path", "default_state_dir", "load_config"]
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")
+_WATCH_MODES = ("auto", "inotify", "poll")
+_NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def default_node() -> str:
+    """This node's name: the hostname up to its first dot (``--node`` overrides it)."""
+    return _socket.gethostname().split(".")[0] or "localhost"
 
 
 def default_state_dir(env: dict[str, str] | None = None) -> str:
@@ -50,6 +59,13 @@ class RootConfig:
     retention: RetentionConfig | None = None
     """The root's retention policy (TOML ``[roots.retention]``); None: nothing is ever
     retired."""
+    watch: str = "auto"
+    """How the daemon sees other nodes' markers in this root: ``inotify`` (watchfiles;
+    sees only this machine's writes), ``poll`` (every ``poll_interval``; sees every
+    node's), or ``auto``: inotify on a local filesystem, polling on a network or FUSE
+    one."""
+    poll_interval: float = 0.25
+    """Seconds between looks at a spanning save's shared directory when polling."""
 
     def __post_init__(self) -> None:
         if not os.path.isabs(self.path) or os.path.normpath(self.path) != self.path:
@@ -61,6 +77,16 @@ class RootConfig:
             value = getattr(self, name)
             if not value or "/" in value or value in (".", "..") or "\0" in value:
                 raise ConfigError(f"{name} {value!r} of root {self.path} must be a plain name")
+        if self.watch not in _WATCH_MODES:
+            raise ConfigError(
+                f"watch {self.watch!r} of root {self.path} must be one of {_WATCH_MODES}; "
+                "poll on a shared filesystem (NFS, Lustre, FUSE), auto otherwise"
+            )
+        if not (isinstance(self.poll_interval, int | float) and 0.01 <= self.poll_interval <= 60):
+            raise ConfigError(
+                f"poll_interval {self.poll_interval!r} of root {self.path} must be from 0.01 "
+                "to 60 seconds"
+            )
         if self.tmp_prefix.startswith(self.final_prefix) or self.final_prefix.startswith(
             self.tmp_prefix
         ):
@@ -124,6 +150,11 @@ class Config:
     fs_stall_after: float = 30.0
     """Seconds a filesystem call for a root (or a journal write) may run before the
     daemon reports the root (``root.stalled``) or the journal (``journal.stalled``)."""
+    node: str = field(default_factory=default_node)
+    """This node's name in node markers (``--node``); unique among a job's nodes."""
+    node_timeout: float = 600.0
+    """Seconds the leader of a save that spans nodes waits, once its own ranks are done,
+    for the other nodes' markers before it fails the save (naming who is missing)."""
 
     def __post_init__(self) -> None:
         if not self.roots:
@@ -161,6 +192,16 @@ class Config:
                 f"fs_stall_after must be > 0 seconds, got {self.fs_stall_after}; set it above "
                 "the longest a healthy filesystem call takes (a large checkpoint's flush)"
             )
+        if not isinstance(self.node, str) or not _NODE_NAME.match(self.node):
+            raise ConfigError(
+                f"node {self.node!r} must be 1-64 letters, digits, '.', '_' or '-' (it names "
+                "a file in each checkpoint); pass --node NAME"
+            )
+        if not self.node_timeout > 0:
+            raise ConfigError(
+                f"node_timeout must be > 0 seconds, got {self.node_timeout}; allow for the "
+                "slowest node's writes to land after the leader's"
+            )
         if not os.path.isabs(self.state_dir):
             raise ConfigError(f"state_dir {self.state_dir!r} must be an absolute path")
         if not self.socket or len(os.fsencode(self.socket)) > 107:
@@ -187,6 +228,7 @@ def load_config(
     state_dir: str | None = None,
     allow_uids: list[int] | None = None,
     allow_gids: list[int] | None = None,
+    node: str | None = None,
     env: dict[str, str] | None = None,
 ) -> Config:
     """Merge defaults, the TOML file, the environment and flags (later wins).
@@ -220,6 +262,8 @@ def load_config(
         "event_loop",
         "root_threads",
         "fs_stall_after",
+        "node",
+        "node_timeout",
     }
     unknown = sorted(set(data) - known)
     if unknown:
@@ -243,7 +287,13 @@ def load_config(
         kwargs["socket"] = env["CKPTD_SOCKET"]
     elif "socket" not in kwargs:
         kwargs["socket"] = default_socket_path(env)
-    flags = {"socket": socket, "lease": lease, "log_level": log_level, "state_dir": state_dir}
+    flags = {
+        "socket": socket,
+        "lease": lease,
+        "log_level": log_level,
+        "state_dir": state_dir,
+        "node": node,
+    }
     if state_dir is not None:
         flags["state_dir"] = os.path.abspath(state_dir)
     kwargs.update({k: v for k, v in flags.items() if v is not None})

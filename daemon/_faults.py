@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Final
 
-__all__ = ["GC_POINTS", "POINTS", "RETENTION_POINTS", "crash_point"]
+__all__ = ["GC_POINTS", "NODE_POINTS", "POINTS", "RETENTION_POINTS", "crash_point"]
 
 POINTS: Final = (
     "before_intent",
@@ -32,6 +32,10 @@ deletes anything."""
 RETENTION_POINTS: Final = ("retention_after_doom",)
 """Crash points of retention: after its renames into the trash, before it journals or
 deletes anything."""
+
+NODE_POINTS: Final = ("after_node_marker",)
+"""Crash points of a save that spans nodes: after this node's marker is written, before
+it is journaled."""
 
 _spec = os.environ.get("CKPTD_CRASH_AT", "")
 _target, _, _nth = _spec.partition(":")

@@ -23,7 +23,7 @@ from ._journal import Journal, JournalRecord
 from ._lanes import Lanes
 from ._ledger import Effect, Ledger, SaveKey
 
-__all__ = ["Collecting", "Host", "Recovering", "Serving"]
+__all__ = ["Collecting", "Coordinating", "Host", "Recovering", "Serving"]
 
 
 class _Pauses(Protocol):
@@ -127,8 +127,17 @@ class _SetsAside(Protocol):
     def set_aside(self, key: SaveKey, attempt: str) -> Awaitable[str | None]: ...
 
 
+class _Verdicts(Protocol):
+    def write_verdict(
+        self, root: RootConfig, key: SaveKey, attempt: str, reason: str
+    ) -> Awaitable[None]: ...
+
+
 class Recovering(Host, Protocol):
     """What recovery needs: the journal, the promoter, the attempt directories."""
+
+    @property
+    def nodes(self) -> _Verdicts: ...
 
     @property
     def journal(self) -> Journal | None: ...
@@ -142,3 +151,10 @@ class Recovering(Host, Protocol):
     def journal_snapshot(self) -> list[JournalRecord]:
         """Records rebuilding the current state."""
         ...
+
+
+class Coordinating(Host, Protocol):
+    """What the coordination of saves that span nodes needs: the attempt directories."""
+
+    @property
+    def attempt_dirs(self) -> _SetsAside: ...

@@ -34,9 +34,12 @@ __all__ = [
     "JForget",
     "JHold",
     "JIntent",
+    "JLearned",
     "JMetrics",
+    "JNodeMarked",
     "JPin",
     "JPromoted",
+    "JRemote",
     "JRescue",
     "JRetired",
     "JSaveFailed",
@@ -71,6 +74,8 @@ class JBegin(_Record, frozen=True, tag="b"):
     world_size: int
     at: float
     attempt: str = ""
+    local_world_size: int = 0
+    """The job's ranks on this node; 0: all of them (also what older records read as)."""
 
 
 class JDone(_Record, frozen=True, tag="d"):
@@ -112,6 +117,8 @@ class JRescue(_Record, frozen=True, tag="r"):
 
     at: float
     attempt: str = ""
+    world_size: int = 0
+    """The world size its node markers say, for a step no journal knew (0: unknown)."""
 
 
 class JForget(_Record, frozen=True, tag="g"):
@@ -123,6 +130,37 @@ class JSetAside(_Record, frozen=True, tag="a"):
 
     attempt: str
     path: str
+    at: float
+
+
+class JNodeMarked(_Record, frozen=True, tag="n"):
+    """This node's marker for attempt ``attempt`` of a save that spans nodes is durable."""
+
+    attempt: str
+    at: float
+
+
+class JRemote(_Record, frozen=True, tag="m"):
+    """The leader took node ``node``'s marker: its ranks are done with these files."""
+
+    node: str
+    attempt: str
+    local_world_size: int
+    ranks: list[int]
+    files: list[list[FileEntry]]
+    """The files of each rank in ``ranks``, in the same order."""
+    at: float
+
+
+class JLearned(_Record, frozen=True, tag="l"):
+    """The outcome of a save that spans nodes, read from the shared directory.
+
+    ``detail`` is the checkpoint's path when ``promoted``, else the failure's reason.
+    """
+
+    attempt: str
+    promoted: bool
+    detail: str
     at: float
 
 
@@ -169,6 +207,9 @@ JournalRecord = (
     | JRescue
     | JForget
     | JSetAside
+    | JNodeMarked
+    | JRemote
+    | JLearned
     | JMetrics
     | JPin
     | JHold

@@ -36,6 +36,7 @@ from ._journal import (
 from ._saves import (
     Effect,
     Emit,
+    NodeFailed,
     RankRecord,
     SaveKey,
     SaveRecord,
@@ -45,6 +46,7 @@ from ._saves import (
     ranges,
 )
 from ._saves import ids as _ids
+from ._spanning import SpanningLedger
 
 __all__ = [
     "Effect",
@@ -63,7 +65,7 @@ _CLOSED = frozenset({SaveState.VERIFYING, SaveState.PROMOTING})
 _PROMOTED_OWN = frozenset({"root", "step", "path", "duration_s", "attempt"})
 
 
-class Ledger:
+class Ledger(SpanningLedger):
     """Tracks every save the daemon knows and decides when one may be promoted.
 
     Args:
@@ -72,10 +74,20 @@ class Ledger:
         save_timeout: Seconds from a save's first ``begin`` until, if still incomplete,
             it fails; None disables the limit.
         history: Settled saves kept for ``status``/``wait``; the oldest are dropped first.
+        node_timeout: Seconds the leader of a save that spans nodes waits, once its own
+            ranks are done, for the other nodes' markers before the save fails.
     """
 
-    def __init__(self, *, lease: float, save_timeout: float | None, history: int = 4096) -> None:
+    def __init__(
+        self,
+        *,
+        lease: float,
+        save_timeout: float | None,
+        history: int = 4096,
+        node_timeout: float = 600.0,
+    ) -> None:
         self._lease = lease
+        self._node_timeout = node_timeout
         self._save_timeout = save_timeout
         self._history = history
         self._saves: dict[SaveKey, SaveRecord] = {}
@@ -120,7 +132,9 @@ class Ledger:
         save = self._saves.get(key)
         if save is None or save.state is not SaveState.OPEN:
             return False
-        return when == save.deadline or any(r.lease_deadline == when for r in save.ranks.values())
+        return when in (save.deadline, save.gather_deadline) or any(
+            r.lease_deadline == when for r in save.ranks.values()
+        )
 
     # -- inputs from ranks -------------------------------------------------------------
 
@@ -135,6 +149,7 @@ class Ledger:
         resent: bool = False,
         attempt: str | None = None,
         fresh: str = "",
+        local_world_size: int | None = None,
     ) -> list[Effect]:
         """A rank announces it is about to write the step.
 
@@ -154,10 +169,11 @@ class Ledger:
             resent: Re-sent by a client after a reconnect.
             attempt: The attempt the client says it belongs to, if it knows.
             fresh: The id a new attempt gets, if this begin starts one.
+            local_world_size: The job's ranks on this rank's node (None: all of them).
 
         Raises:
             RequestError: rank out of range, world size mismatch, a stale attempt, the
-                step closed to writers, promoted or failed.
+                step closed to writers, promoted or failed, a node contradiction.
         """
         if rank >= world_size:
             raise RequestError(
@@ -219,13 +235,15 @@ class Ledger:
                 ErrorCode.STEP_CLOSED,
                 f"step {key.step} is {save.state}: no writer may join it any more",
             )
+        self._check_local(save, rank, local_world_size)
         if record is not None:
             return self._reattach(save, rank, record, conn)
         save.ranks[rank] = RankRecord(state=RankState.WRITING, begun_at=now, conn=conn)
         self._attach(conn, key, rank)
         if conn is not None:
             save.conns.add(conn)
-        self._record(JBegin(key.root, key.step, rank, world_size, now, save.attempt))
+        lws = save.local_world_size
+        self._record(JBegin(key.root, key.step, rank, world_size, now, save.attempt, lws))
         fields = {**_ids(key, rank), "world_size": world_size, "attempt": save.attempt}
         return [*effects, Emit("save.begun", fields)]
 
@@ -288,7 +306,9 @@ class Ledger:
                 {**_ids(key, rank), "files": len(files), "bytes": sum(f.size for f in files)},
             )
         ]
-        if not save.missing_ranks():
+        if save.spans:
+            effects += self._after_local_done(save)
+        elif not save.missing_ranks():
             save.state = SaveState.VERIFYING
             effects.append(Verify(key))
         return effects
@@ -370,7 +390,7 @@ class Ledger:
                 f"ranks not done: {ranges(save.missing_ranks())}"
             )
             return self._fail_save(save, reason, now)
-        return []
+        return self._gather_expired(save, now)
 
     def _expired_first(self, save: SaveRecord, now: float) -> None:
         """A late input must not revive a save whose time ran out before the next tick.
@@ -423,7 +443,9 @@ class Ledger:
             return []
         return self._fail_save(save, reason, now)
 
-    def rescue(self, key: SaveKey, now: float, *, attempt: str = "") -> list[Effect]:
+    def rescue(
+        self, key: SaveKey, now: float, *, attempt: str = "", world_size: int = 0
+    ) -> list[Effect]:
         """An operator vouches for a step: verify it and, if sound, promote it.
 
         The one way out of ``FAILED``, and only on an explicit command: for a step
@@ -435,6 +457,8 @@ class Ledger:
             now: Ledger time.
             attempt: For a step the ledger does not know: the attempt its directory's
                 marker names, if any.
+            world_size: For a step the ledger does not know: its world size, when its
+                node markers say (0: unknown).
 
         Raises:
             RequestError: the step is promoted, being promoted, or still being written.
@@ -442,7 +466,7 @@ class Ledger:
         save = self._saves.get(key)
         if save is None:
             save = SaveRecord(
-                key=key, world_size=0, first_begin=now, deadline=None, attempt=attempt
+                key=key, world_size=world_size, first_begin=now, deadline=None, attempt=attempt
             )
             self._saves[key] = save
             self._unsettled += 1
@@ -470,7 +494,14 @@ class Ledger:
         save.settled_at = None
         for record in save.ranks.values():
             record.lease_deadline = None
-        self._record(JRescue(key.root, key.step, now, save.attempt))
+        save.gather_deadline = None
+        save.learned = False  # the operator's verdict replaces what was learned
+        save.fenced = save.fenced or world_size > 0 or save.spans
+        if save.world_size == 0:
+            save.world_size = world_size
+        self._record(
+            JRescue(key.root, key.step, now, save.attempt, save.world_size if save.fenced else 0)
+        )
         event = {
             "root": key.root,
             "step": key.step,
@@ -619,12 +650,19 @@ class Ledger:
         return effects + self._fail_save(save, reason, now, journal=False)
 
     def _fail_save(
-        self, save: SaveRecord, reason: str, now: float, *, journal: bool = True
+        self,
+        save: SaveRecord,
+        reason: str,
+        now: float,
+        *,
+        journal: bool = True,
+        learned: bool = False,
     ) -> list[Effect]:
         if journal:  # a rank's failure already recorded the save's
             self._record(JSaveFailed(save.key.root, save.key.step, reason, now))
         save.state = SaveState.FAILED
         save.reason = reason
+        save.gather_deadline = None
         for record in save.ranks.values():
             record.lease_deadline = None
         self._settle(save, now)
@@ -637,6 +675,12 @@ class Ledger:
         report = (Emit("checkpoint.failed", event, "error"), Settled(save.key))
         if self._replaying:
             return list(report)
+        if save.spans and not save.rescued:
+            # The other nodes learn it from the shared directory before it is reported.
+            failed = NodeFailed(
+                save.key, save.attempt, reason, save.leader, report, announce=not learned
+            )
+            return [failed]
         # Reported only once the failed attempt's files are out of the way.
         return [SetAside(save.key, save.attempt, report)]
 

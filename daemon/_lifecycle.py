@@ -64,6 +64,7 @@ async def serve(
         async with anyio.create_task_group() as promotions:
             daemon.promoter.group = promotions
             daemon.attempt_dirs.group = promotions
+            daemon.nodes.group = promotions
             async with anyio.create_task_group() as services:
                 if handle_signals:  # before anything slow: a SIGTERM is never lost
                     await services.start(_watch_signals, stop, daemon)

@@ -25,6 +25,7 @@ from . import _durable
 from ._config import RootConfig
 from ._errors import PromotionError
 from ._faults import crash_point
+from ._fence import pointer_lock
 from ._verify import MANIFEST_NAME, Manifest
 
 __all__ = [
@@ -149,6 +150,7 @@ def promote(
     *,
     intent: Callable[[], object] | None = None,
     expect: tuple[int, int] | None = None,
+    pointer_node: str | None = None,
 ) -> Promotion:
     """Make step ``step`` of ``root`` a checkpoint. Call only after verification.
 
@@ -170,6 +172,8 @@ def promote(
         expect: The identity (:func:`identity`) of the directory that was verified:
             if ``tmp_step_N`` is another directory now, nothing is renamed; if the
             renamed one turns out to be another, the rename is undone.
+        pointer_node: On a shared root: this node's name, and the pointer is moved
+            under the root's pointer lock (:func:`daemon._fence.pointer_lock`).
 
     Returns:
         Where the checkpoint is and whether the pointer moved. A pointer that cannot be
@@ -220,7 +224,7 @@ def promote(
         raise PromotionError(
             exc.errno or errno.EIO, f"{stage} failed for {tmp}: {exc.strerror or exc}"
         ) from exc
-    return _after_rename(storage, root, step, undo=True)
+    return _after_rename(storage, root, step, undo=True, pointer_node=pointer_node)
 
 
 def _drain(storage: Storage, queue: deque[tuple[str, bool]]) -> None:
@@ -237,16 +241,20 @@ def _drain(storage: Storage, queue: deque[tuple[str, bool]]) -> None:
         storage.fsync(path, directory=directory)
 
 
-def finish(storage: Storage, root: RootConfig, step: int) -> Promotion:
+def finish(
+    storage: Storage, root: RootConfig, step: int, pointer_node: str | None = None
+) -> Promotion:
     """Finish a promotion whose rename happened before a restart: fsync, pointer.
 
     Raises:
         PromotionError: the root cannot be fsynced.
     """
-    return _after_rename(storage, root, step, undo=False)
+    return _after_rename(storage, root, step, undo=False, pointer_node=pointer_node)
 
 
-def _after_rename(storage: Storage, root: RootConfig, step: int, *, undo: bool) -> Promotion:
+def _after_rename(
+    storage: Storage, root: RootConfig, step: int, *, undo: bool, pointer_node: str | None
+) -> Promotion:
     tmp, final = root.tmp_dir(step), root.final_dir(step)
     try:
         storage.fsync(root.path, directory=True)
@@ -268,7 +276,11 @@ def _after_rename(storage: Storage, root: RootConfig, step: int, *, undo: bool) 
         ) from exc
     crash_point("after_root_fsync")
     try:
-        moved, error = _advance_pointer(storage, root, step), None
+        if pointer_node is None:
+            moved, error = _advance_pointer(storage, root, step), None
+        else:
+            with pointer_lock(root, pointer_node):
+                moved, error = _advance_pointer(storage, root, step), None
     except OSError as exc:
         moved, error = False, f"{root.pointer} not moved: {exc.strerror or exc}"
     crash_point("after_pointer")

@@ -21,7 +21,7 @@ from anyio.abc import TaskGroup
 from orchestrator import protocol as p
 from orchestrator.protocol import FileEntry
 
-from . import _promoter
+from . import _fence, _promoter
 from ._config import RootConfig
 from ._errors import PromotionError, RequestError, VerificationError
 from ._faults import crash_point
@@ -49,6 +49,9 @@ class Promoter:
         self._idle.set()
         self.group: TaskGroup | None = None
         """Where promotions run; set by ``serve`` before any request is handled."""
+        self.claimed: Callable[[SaveKey], None] | None = None
+        """Called when another node holds a spanning save's claim: it promotes the step,
+        and this daemon learns the outcome as the other nodes do."""
 
     def start(self, key: SaveKey) -> None:
         """Promote ``key`` (now ``verifying``, or ``promoting`` after a restart)."""
@@ -82,11 +85,15 @@ class Promoter:
         start = daemon.clock()
         resumed = save.state is p.SaveState.PROMOTING  # intent journaled before a restart
         lane = daemon.lanes[root.path]
+        # A save that spans nodes is on a shared filesystem, renamed under a claim only
+        # one node can hold, its pointer moved under a lock every node honours.
+        fence = (daemon.config.node, save.attempt) if save.spans or save.fenced else None
         try:
             if resumed and await lane.run(_renamed, root, key.step):
                 # The rename happened before the restart: finish, never redo it.
                 manifest = await lane.run(read_manifest, root.final_dir(key.step))
-                done = await lane.run(_promoter.finish, self._storage, root, key.step)
+                node = None if fence is None else fence[0]
+                done = await lane.run(_promoter.finish, self._storage, root, key.step, node)
             else:
                 # One thread of the root's lane verifies and promotes; it journals the
                 # intent through the event loop (by the loop's token: the thread is not
@@ -104,7 +111,15 @@ class Promoter:
                     save.reported_files(),
                     save.attempt,
                     intent,
+                    fence,
                 )
+        except _fence.ClaimedError as exc:
+            daemon.events.emit(
+                "checkpoint.claimed", "warning", root=key.root, step=key.step, reason=str(exc)
+            )
+            if self.claimed is not None:
+                self.claimed(key)
+            return
         except VerificationError as exc:
             await self._reject(key, f"verification failed: {exc}")
             return
@@ -162,18 +177,34 @@ def _verify_and_promote(
     reported: dict[int, tuple[FileEntry, ...]],
     attempt: str,
     intent: Callable[[], object] | None,
+    fence: tuple[str, str] | None = None,
 ) -> tuple[Manifest, Promotion]:
     """Verify ``tmp_step_N``, then promote it (blocking; one worker thread for both).
 
     The directory renamed is the one verified: its identity (device, inode) is taken
-    before the scan and checked again before and after the rename.
+    before the scan and checked again before and after the rename. With ``fence``
+    (node, attempt), the step is claimed first, and the claim dropped if it fails
+    verification.
+
+    Raises:
+        ClaimedError: another node holds the claim.
     """
     try:
         identity = _promoter.identity(root.tmp_dir(step))
     except FileNotFoundError:
         raise VerificationError(f"{root.tmp_dir(step)} does not exist") from None
-    manifest = scan_save(root, step, world_size, reported, attempt)
-    done = _promoter.promote(storage, root, step, manifest, intent=intent, expect=identity)
+    if fence is not None:
+        _fence.claim(root, step, *fence)
+    try:
+        manifest = scan_save(root, step, world_size, reported, attempt)
+    except VerificationError:
+        if fence is not None:
+            _fence.release(root, step, *fence)
+        raise
+    node = None if fence is None else fence[0]
+    done = _promoter.promote(
+        storage, root, step, manifest, intent=intent, expect=identity, pointer_node=node
+    )
     return manifest, done
 
 

@@ -45,6 +45,7 @@ async def recover(daemon: Recovering, replay: Replay) -> None:
         except (RequestError, RuntimeError):
             skipped += 1  # a duplicate a compaction kept; the state already has it
     daemon.apply(ledger.rearm(now))
+    daemon.apply(ledger.resume())  # spanning saves: write or watch their node markers
     if daemon.journal is not None:
         await daemon.journal.lane.run(daemon.journal.compact, daemon.journal_snapshot())
     resumed = [s.key for s in ledger if s.state in (p.SaveState.VERIFYING, p.SaveState.PROMOTING)]
@@ -98,7 +99,13 @@ async def _scan_root(
         # Looked up once the scan returned: a save begun meanwhile is no orphan.
         key = SaveKey(root.path, step)
         save = daemon.ledger.get(key)
+        # Only the leader sets aside a shared directory (spanning saves).
+        mine = save is not None and (not save.spans or save.leader)
         if save is not None and save.state is p.SaveState.FAILED and save.set_aside is None:
+            if not mine:
+                continue
+            if save.spans:  # the other nodes read the failure there, once it is set aside
+                await daemon.nodes.write_verdict(root, key, save.attempt, save.reason or "")
             if await daemon.attempt_dirs.set_aside(key, save.attempt) is not None:
                 set_aside.append(step)
         elif save is None:

@@ -8,7 +8,7 @@ compacting the journal; replaying them gives the same saves.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from orchestrator.protocol import FileEntry, RankState, SaveState
@@ -19,8 +19,11 @@ from ._journal import (
     JFail,
     JForget,
     JIntent,
+    JLearned,
+    JNodeMarked,
     JournalRecord,
     JPromoted,
+    JRemote,
     JRescue,
     JSaveFailed,
     JSetAside,
@@ -37,7 +40,7 @@ class Replayable(Protocol):
 
     def begin(
         self, key: SaveKey, rank: int, world_size: int, conn: int | None, now: float, *,
-        fresh: str = "",
+        fresh: str = "", local_world_size: int | None = None,
     ) -> Any: ...  # fmt: skip
 
     def set_aside(self, key: SaveKey, attempt: str, path: str, now: float) -> None: ...
@@ -54,9 +57,22 @@ class Replayable(Protocol):
 
     def promoted(self, key: SaveKey, path: str, now: float) -> Any: ...
 
-    def rescue(self, key: SaveKey, now: float, *, attempt: str = "") -> Any: ...
+    def rescue(
+        self, key: SaveKey, now: float, *, attempt: str = "", world_size: int = 0
+    ) -> Any: ...
 
     def forget(self, key: SaveKey) -> None: ...
+
+    def node_marked(self, key: SaveKey, now: float) -> Any: ...
+
+    def remote_done(
+        self, key: SaveKey, node: str, attempt: str, local_world_size: int,
+        files: Mapping[int, Sequence[FileEntry]], now: float,
+    ) -> Any: ...  # fmt: skip
+
+    def learned(
+        self, key: SaveKey, attempt: str, *, promoted: bool, detail: str, now: float
+    ) -> Any: ...
 
 
 def replay(ledger: Replayable, record: JournalRecord, now: float) -> None:
@@ -68,7 +84,8 @@ def replay(ledger: Replayable, record: JournalRecord, now: float) -> None:
     key = SaveKey(record.root, record.step)
     match record:
         case JBegin(rank=rank, world_size=world_size, attempt=attempt):
-            ledger.begin(key, rank, world_size, None, now, fresh=attempt)
+            lws = record.local_world_size or None
+            ledger.begin(key, rank, world_size, None, now, fresh=attempt, local_world_size=lws)
         case JSetAside(attempt=attempt, path=path):
             ledger.set_aside(key, attempt, path, now)
         case JDone(rank=rank, files=files):
@@ -85,10 +102,16 @@ def replay(ledger: Replayable, record: JournalRecord, now: float) -> None:
             found = ledger.get(key)
             if found is not None and found.state is SaveState.PROMOTING:
                 ledger.promoted(key, path, now)
-        case JRescue(attempt=attempt):
-            ledger.rescue(key, now, attempt=attempt)
+        case JRescue(attempt=attempt, world_size=world_size):
+            ledger.rescue(key, now, attempt=attempt, world_size=world_size)
         case JForget():
             ledger.forget(key)
+        case JNodeMarked():
+            ledger.node_marked(key, now)
+        case JRemote(node=node, attempt=attempt, local_world_size=lws, ranks=ranks, files=files):
+            ledger.remote_done(key, node, attempt, lws, dict(zip(ranks, files, strict=True)), now)
+        case JLearned(attempt=attempt, promoted=promoted, detail=detail):
+            ledger.learned(key, attempt, promoted=promoted, detail=detail, now=now)
 
 
 def snapshot(saves: Iterable[SaveRecord]) -> list[JournalRecord]:
@@ -96,10 +119,12 @@ def snapshot(saves: Iterable[SaveRecord]) -> list[JournalRecord]:
     out: list[JournalRecord] = []
     for save in sorted(saves, key=lambda s: s.first_begin):
         root, step = save.key
-        ranks = sorted(save.ranks.items())
+        ranks = sorted((r, rec) for r, rec in save.ranks.items() if rec.node is None)
+        lws = save.local_world_size
         # Every begin, then every done, then the failure: the order they can happen in.
         out += [
-            JBegin(root, step, r, save.world_size, rec.begun_at, save.attempt) for r, rec in ranks
+            JBegin(root, step, r, save.world_size, rec.begun_at, save.attempt, lws)
+            for r, rec in ranks
         ]
         out += [
             JDone(root, step, r, list(rec.files), rec.begun_at)
@@ -111,9 +136,20 @@ def snapshot(saves: Iterable[SaveRecord]) -> list[JournalRecord]:
             for r, rec in ranks
             if rec.state is RankState.FAILED and rec.reason is not None
         ]
+        if save.marked:
+            out.append(JNodeMarked(root, step, save.attempt, save.first_begin))
         if save.rescued:  # after the ranks' records, whose failure it overrode
-            out.append(JRescue(root, step, save.first_begin, save.attempt))
+            spanning = save.world_size if save.fenced else 0
+            out.append(JRescue(root, step, save.first_begin, save.attempt, spanning))
+        # A rescue takes the other nodes' markers after it, a leader before its outcome.
+        out += _remote_records(save)
         failed_rank = any(r.state is RankState.FAILED for r in save.ranks.values())
+        if save.learned:
+            detail = (save.path if save.state is SaveState.PROMOTED else save.reason) or ""
+            promoted = save.state is SaveState.PROMOTED
+            at = save.settled_at or 0.0
+            out.append(JLearned(root, step, save.attempt, promoted, detail, at))
+            continue
         if save.state is SaveState.FAILED and (save.rescued or not failed_rank):
             out.append(JSaveFailed(root, step, save.reason or "", save.settled_at or 0.0))
         if save.state is SaveState.FAILED and save.set_aside is not None:
@@ -123,4 +159,20 @@ def snapshot(saves: Iterable[SaveRecord]) -> list[JournalRecord]:
             out.append(JIntent(root, step))
         if save.state is SaveState.PROMOTED and save.path is not None:
             out.append(JPromoted(root, step, save.path, save.settled_at or 0.0))
+    return out
+
+
+def _remote_records(save: SaveRecord) -> list[JournalRecord]:
+    """The other nodes' markers a leader (or a rescue) took."""
+    root, step = save.key
+    out: list[JournalRecord] = []
+    nodes: dict[str, list[int]] = {}
+    for rank, rec in sorted(save.ranks.items()):
+        if rec.node is not None:
+            nodes.setdefault(rec.node, []).append(rank)
+    for node, ranks in nodes.items():
+        files = [list(save.ranks[r].files) for r in ranks]
+        out.append(
+            JRemote(root, step, node, save.attempt, len(ranks), ranks, files, save.first_begin)
+        )
     return out

@@ -15,12 +15,15 @@ from orchestrator.protocol import FileEntry, RankState, SaveState
 __all__ = [
     "Effect",
     "Emit",
+    "MarkNode",
+    "NodeFailed",
     "RankRecord",
     "SaveKey",
     "SaveRecord",
     "SetAside",
     "Settled",
     "Verify",
+    "Watch",
     "ids",
     "ranges",
 ]
@@ -70,7 +73,44 @@ class SetAside:
     then: tuple[Emit | Settled, ...]
 
 
-Effect = Emit | Verify | Settled | SetAside
+@dataclass(frozen=True, slots=True)
+class MarkNode:
+    """Effect: this node's ranks of a spanning save are done; write its node marker.
+
+    The ranks' files are checked first; then ``Ledger.node_marked``.
+    """
+
+    key: SaveKey
+
+
+@dataclass(frozen=True, slots=True)
+class Watch:
+    """Effect: this node's marker is durable; watch the shared directory.
+
+    The leader watches for the other nodes' markers, every other node for the outcome.
+    """
+
+    key: SaveKey
+
+
+@dataclass(frozen=True, slots=True)
+class NodeFailed:
+    """Effect: attempt ``attempt`` of a save that spans nodes failed here.
+
+    Write this node's failure marker (the leader also writes the step's verdict and sets
+    the directory aside), then carry out ``then``. ``announce`` is False when the failure
+    was learned from the shared directory: it is already there.
+    """
+
+    key: SaveKey
+    attempt: str
+    reason: str
+    leader: bool
+    then: tuple[Emit | Settled, ...]
+    announce: bool = True
+
+
+Effect = Emit | Verify | Settled | SetAside | MarkNode | Watch | NodeFailed
 
 
 @dataclass(slots=True)
@@ -83,6 +123,8 @@ class RankRecord:
     lease_deadline: float | None = None
     files: tuple[FileEntry, ...] = ()
     reason: str | None = None
+    node: str | None = None
+    """The node whose marker reported this rank (on the leader); None: a local rank."""
 
 
 @dataclass(slots=True)
@@ -105,6 +147,42 @@ class SaveRecord:
     """Where the failed attempt's directory was moved (inside the root's trash)."""
     conns: set[int] = field(default_factory=set)
     """Connections that wrote this attempt (this daemon run): their begins never restart it."""
+    local_world_size: int = 0
+    """Ranks of the job on this node; 0: all of them (the save does not span nodes)."""
+    marked: bool = False
+    """This node's marker is durable (a save that spans nodes)."""
+    gather_deadline: float | None = None
+    """When the leader fails the save if other nodes' markers are still missing."""
+    learned: bool = False
+    """Its outcome was read from the shared directory (a node other than the leader)."""
+    fenced: bool = False
+    """Promoted under the shared-root fences (a spanning step rescued by an operator)."""
+    declared: dict[str, int] = field(default_factory=dict)
+    """Each other node's local world size, as its markers said (the leader)."""
+    writing_nodes: set[str] = field(default_factory=set)
+    """Nodes whose marker says they are writing (the leader; not journaled)."""
+
+    @property
+    def spans(self) -> bool:
+        """Whether the save's ranks are spread over several nodes."""
+        return 0 < self.local_world_size < self.world_size
+
+    @property
+    def leader(self) -> bool:
+        """Whether this node serves global rank 0 of a save that spans nodes."""
+        record = self.ranks.get(0)
+        return self.spans and record is not None and record.node is None
+
+    def local_ranks(self) -> list[int]:
+        """The ranks that write through this daemon."""
+        return [r for r, rec in self.ranks.items() if rec.node is None]
+
+    def locally_done(self) -> bool:
+        """Whether all of this node's ranks have begun and are done."""
+        local = [rec for rec in self.ranks.values() if rec.node is None]
+        return len(local) == self.local_world_size and all(
+            rec.state is RankState.DONE for rec in local
+        )
 
     def missing_ranks(self) -> list[int]:
         """Ranks that have not begun, or have begun but are not done."""

@@ -34,10 +34,12 @@ from ._journal import Journal, JournalRecord
 from ._lanes import Lanes
 from ._ledger import Effect, Emit, Ledger, SaveKey, SaveRecord, SetAside, Settled, Verify
 from ._mounts import is_local, mount_table
+from ._nodes import Nodes, rescue_markers
 from ._owners import AttemptDirs
 from ._paths import check_relative, check_tmp_dir
 from ._promoter import LocalStorage, Storage, latest_promoted
 from ._promotion import Promoter
+from ._saves import MarkNode, NodeFailed, Watch
 from ._trash import TrashRemover
 from ._verify import scan_save
 from .retention.applier import Retention
@@ -73,7 +75,9 @@ class Daemon:
     ) -> None:
         self.config = config
         self.events = Events()
-        self.ledger = Ledger(lease=config.lease, save_timeout=config.save_timeout)
+        self.ledger = Ledger(
+            lease=config.lease, save_timeout=config.save_timeout, node_timeout=config.node_timeout
+        )
         self.clock = clock
         self._started = clock()
         self._conn_ids = itertools.count(1)
@@ -109,6 +113,10 @@ class Daemon:
         mounts = mount_table()
         self._local = {r.path for r in config.roots if is_local(r.real or r.path, mounts)}
         """Roots on a local filesystem: their per-save checks run on the event loop."""
+        self.nodes = Nodes(self, run=self._run_for, local_roots=self._local)
+        """Saves that span nodes: the attempt agreed, markers written and watched."""
+        self.promoter.claimed = self.nodes.follow_later
+        self.nodes.promote = self.promoter.start
 
     # -- effects -----------------------------------------------------------------------
 
@@ -176,13 +184,16 @@ class Daemon:
         """Whether the ledger holds changes not yet journaled."""
         return self.ledger.pending_records()
 
-    def may_prune(self, root: RootConfig) -> bool:
+    def may_prune(self, root: RootConfig, leader: str | None) -> bool:
         """Whether this daemon may retire steps of ``root`` and move its ``best`` pointer.
 
         The one rule of who prunes: on a root shared between nodes, only the leader
-        (the daemon serving global rank 0) may. Every root is this daemon's alone today.
+        (the daemon serving global rank 0) may. ``leader`` is the node whose marker in
+        the root's newest checkpoint holds rank 0 (None: that checkpoint did not span
+        nodes, so it is this daemon's; "": it did, and no marker names rank 0, so it is
+        nobody's to prune).
         """
-        return True
+        return leader is None or leader == self.config.node
 
     def apply(self, effects: Sequence[Effect]) -> None:
         """Carry out ledger effects: events, promotions, woken waiters."""
@@ -193,8 +204,11 @@ class Daemon:
                 self.promoter.start(effect.key)
             elif isinstance(effect, SetAside):
                 self.attempt_dirs.start_set_aside(effect)
+            elif isinstance(effect, MarkNode | Watch | NodeFailed):
+                self.nodes.start(effect)
             elif isinstance(effect, Settled):
                 self.attempt_dirs.forget(effect.key)
+                self.nodes.forget(effect.key)
                 waiter = self._waiters.pop(effect.key, None)
                 if waiter is not None:
                     waiter.set()
@@ -305,6 +319,7 @@ class Daemon:
                         for r in self.config.roots
                     ],
                     stalled=self.lanes.stalled(only),
+                    node=self.config.node,
                 )
             case p.Latest(root=root_path):
                 root = self.configured(root_path)
@@ -354,10 +369,15 @@ class Daemon:
                     "checkpoint.gone", "warning", root=root.path, step=key.step, path=final
                 )
                 known = self.ledger.get(key)
+        fresh = _attempts.new_attempt_id()
         if known is None or self.ledger.starts_new_attempt(
             key, conn, resent=request.resent, attempt=request.attempt
         ):
             await self._admit(root, key)
+            lws = request.local_world_size
+            if lws is not None and lws < request.world_size and request.rank != 0:
+                # Spanning nodes: every node's ranks join the attempt the leader marks.
+                fresh = await self.nodes.attempt_for(root, key, request.world_size) or fresh
         effects = self.ledger.begin(
             key,
             request.rank,
@@ -366,13 +386,18 @@ class Daemon:
             self.clock(),
             resent=request.resent,
             attempt=request.attempt,
-            fresh=_attempts.new_attempt_id(),
+            fresh=fresh,
+            local_world_size=request.local_world_size,
         )
         save = self.ledger.get(key)
         assert save is not None
         await self.commit(effects)
+        self.nodes.begun(key)
         if save.state is p.SaveState.OPEN:
-            await self.attempt_dirs.ready(root, save)
+            if not save.spans or save.leader:
+                await self.attempt_dirs.ready(root, save)
+            else:  # the leader's marker is there: only the leader prepares the directory
+                self.nodes.announce(root, save)
         if save.state is p.SaveState.FAILED:
             raise RequestError(p.ErrorCode.STEP_FAILED, f"step {key.step} failed: {save.reason}")
         return p.BeginReply(
@@ -408,6 +433,7 @@ class Daemon:
                 (save := self.ledger.get(key)) is None
                 or save.state not in _SETTLED
                 or self.attempt_dirs.reporting(key)  # failed, but not yet set aside
+                or self.nodes.reporting(key)  # failed, but not yet written out
             ):
                 if save is None and await self.lanes.run(
                     root.path, os.path.isdir, root.final_dir(request.step), abandon=True
@@ -423,7 +449,9 @@ class Daemon:
         attempt = save.attempt or None
         if save.state is p.SaveState.PROMOTED:
             return p.WaitReply(id=request.id, state="promoted", path=save.path, attempt=attempt)
-        if save.state is p.SaveState.FAILED and not self.attempt_dirs.reporting(key):
+        if save.state is p.SaveState.FAILED and not (
+            self.attempt_dirs.reporting(key) or self.nodes.reporting(key)
+        ):
             return p.WaitReply(id=request.id, state="failed", reason=save.reason, attempt=attempt)
         return p.WaitReply(id=request.id, state="pending", attempt=attempt)
 
@@ -477,6 +505,11 @@ class Daemon:
             attempt = save.attempt if save is not None else ""
             if save is None and marker is not None:
                 attempt = marker.attempt  # a step no journal knows: its directory says whose
+            # A step that spans nodes is promoted from its node markers, if they cover it.
+            nodes = await rescue_markers(self, root, step, attempt, save)
+            if nodes is not None:
+                world_size = nodes.world_size
+                reported = {**reported, **nodes.files()}
             try:
                 manifest = await self.lanes.run(
                     root.path, scan_save, root, step, world_size, reported, attempt, abandon=True
@@ -489,7 +522,13 @@ class Daemon:
                 f"{root.tmp_dir(step)} holds no DCP directory (*.distcp with .metadata): "
                 "nothing on disk proves the step complete",
             )
-        await self.commit(self.ledger.rescue(key, self.clock(), attempt=attempt))
+        spanning = 0 if nodes is None else nodes.world_size
+        effects = self.ledger.rescue(key, self.clock(), attempt=attempt, world_size=spanning)
+        if nodes is not None:
+            for m in nodes.markers:
+                files = m.ranks()
+                self.ledger.remote_done(key, m.node, attempt, len(files), files, self.clock())
+        await self.commit(effects)
         wait = p.Wait(id=request_id, root=root.path, step=step, timeout=wait_s)
         return await self.settled(wait, root)
 
@@ -529,6 +568,7 @@ class Daemon:
                 bytes=sum(f.size for f in rec.files),
                 lease_s=None if rec.lease_deadline is None else round(rec.lease_deadline - now, 3),
                 reason=rec.reason,
+                node=rec.node,
             )
             for rank, rec in sorted(save.ranks.items())
         ]
@@ -543,6 +583,9 @@ class Daemon:
             reason=save.reason,
             attempt=save.attempt or None,
             set_aside=save.set_aside,
+            local_world_size=save.local_world_size if save.spans else None,
+            role=("leader" if save.leader else "node") if save.spans else None,
+            marked=save.marked,
         )
 
 

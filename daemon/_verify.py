@@ -19,6 +19,7 @@ from ._attempts import read_marker
 from ._config import RootConfig
 from ._dcpmeta import check_dcp_dir
 from ._errors import VerificationError
+from ._markers import CLAIM, is_marker_name
 
 __all__ = ["MANIFEST_NAME", "Manifest", "read_manifest", "scan_save", "verify_checkpoint"]
 
@@ -154,13 +155,14 @@ def read_manifest(path: str) -> Manifest:
 def _bookkeeping(rel: str) -> bool:
     """Whether ``rel`` is the daemon's own file, not one of the checkpoint's.
 
-    The manifest, the attempt marker, and the temp file of either left by a crash.
+    The manifest, the attempt marker, the promotion claim, node markers, and the temp
+    file of any of them left by a crash.
     """
     if "/" in rel:
         return False
-    return any(
+    return is_marker_name(rel) or any(
         rel == name or (rel.startswith(f"{name}.") and rel.endswith(".tmp"))
-        for name in (MANIFEST_NAME, ATTEMPT_MARKER)
+        for name in (MANIFEST_NAME, ATTEMPT_MARKER, CLAIM)
     )
 
 

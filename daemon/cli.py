@@ -100,6 +100,11 @@ def _parser() -> argparse.ArgumentParser:
         metavar="GID",
         help="also accept connections from processes with this primary gid (repeatable)",
     )
+    serve_cmd.add_argument(
+        "--node",
+        metavar="NAME",
+        help="this node's name in multi-node saves (default: the hostname)",
+    )
 
     status = command("status", "show every save the daemon knows", _status)
     status.add_argument("--json", action="store_true", help="print the raw status object")
@@ -163,6 +168,7 @@ def _serve(args: argparse.Namespace) -> int:
         state_dir=args.state_dir,
         allow_uids=args.allow_uid,
         allow_gids=args.allow_gid,
+        node=args.node,
     )
     configure_logging(config.log_level)
     anyio.run(serve, config, backend_options={"use_uvloop": _uvloop_wanted(config)})

@@ -254,6 +254,7 @@ class Channel:
                 world_size=record.world_size,
                 resent=True,
                 attempt=record.attempt,
+                local_world_size=record.local_world_size,
             )
             again = Outgoing(msg, None, record, p.encode(msg))
             self._unacked[msg.id] = again

@@ -19,6 +19,7 @@ from typing import Any, Final
 
 import msgspec
 
+from . import _nodes
 from . import protocol as p
 from ._channel import Channel
 from ._errors import DaemonError
@@ -50,6 +51,9 @@ class CheckpointClient:
         max_reply: Longest reply line accepted, in bytes (default
             :data:`~orchestrator.protocol.MAX_REPLY`). A longer reply fails only the call
             it answers, with :class:`DaemonError` ``reply_too_long``.
+
+    The environment that says how many ranks are on this node (``LOCAL_WORLD_SIZE``,
+    ``SLURM_NTASKS_PER_NODE``; see :meth:`begin_nowait`) is read here, once.
     """
 
     def __init__(
@@ -63,6 +67,7 @@ class CheckpointClient:
         self.socket_path = socket_path or default_socket_path()
         self.begin_timeout = begin_timeout
         self._layouts = Layouts()
+        self._node_env = _nodes.read_environment()
         self._lock = threading.Lock()  # guards _handles (touched from callers' threads)
         self._handles: set[SaveHandle] = set()
         self._closed = False
@@ -77,36 +82,97 @@ class CheckpointClient:
         """Whether the client currently holds a connection to the daemon."""
         return self._channel.connected.is_set()
 
-    def begin(self, root: str, step: int, rank: int, world_size: int) -> Begun:
+    def begin(
+        self,
+        root: str,
+        step: int,
+        rank: int,
+        world_size: int,
+        *,
+        local_world_size: int | None = None,
+    ) -> Begun:
         """Tell the daemon this rank is about to write ``step`` under ``root``, and wait.
 
         Waits for the acknowledgement up to ``begin_timeout`` (not at all while the
         daemon is unreachable). Whatever happens, the begin is remembered and re-sent
         after a reconnect. Unless the daemon refused, the step's directory exists when
-        this returns.
+        this returns. ``local_world_size`` is as for :meth:`begin_nowait`.
 
         Returns:
             Where to write, whether the daemon acknowledged, and the attempt joined.
+
+        Raises:
+            ValueError: ``local_world_size``, or the environment it is read from, does
+                not fit ``world_size`` (nothing is sent).
         """
-        begun = self.begin_nowait(root, step, rank, world_size).result()
+        begun = self.begin_nowait(
+            root, step, rank, world_size, local_world_size=local_world_size
+        ).result()
         if begun.error is None:
             make_step_dir(begun.path)
         return begun
 
-    def begin_nowait(self, root: str, step: int, rank: int, world_size: int) -> PendingBegin:
+    def begin_nowait(
+        self,
+        root: str,
+        step: int,
+        rank: int,
+        world_size: int,
+        *,
+        local_world_size: int | None = None,
+    ) -> PendingBegin:
         """Send ``begin`` and return at once; :meth:`PendingBegin.result` waits for it.
 
         The connection is one ordered stream, so the daemon sees this ``begin`` before
         any later ``done`` of the same step whether or not anyone waits for it. The
         directory is not created here (:meth:`save` and :meth:`begin` do).
+
+        Args:
+            root: The checkpoint root.
+            step: The step.
+            rank: This rank.
+            world_size: Number of ranks writing the step, over all nodes.
+            local_world_size: How many of them write on this node. Default: torchrun's
+                ``LOCAL_WORLD_SIZE``, else Slurm's ``SLURM_NTASKS_PER_NODE`` (or an
+                unambiguous ``SLURM_TASKS_PER_NODE``), as they were when the client was
+                created; else unsaid: ``world_size``, one node. An explicit value wins
+                over the environment. Every re-sent ``begin`` of the save carries the
+                same value.
+
+        Raises:
+            ValueError: ``local_world_size`` is not an ``int`` from 1 to
+                ``world_size``, or the environment names a count that does not fit
+                (the message names the variable). Nothing is sent.
         """
-        record = SaveRecord(root, step, rank, world_size)
+        local = self.resolve_local_world_size(world_size, local_world_size)
+        record = SaveRecord(root, step, rank, world_size, local)
         future: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
-        begin = p.Begin(id=0, root=root, step=step, rank=rank, world_size=world_size)
+        begin = p.Begin(
+            id=0,
+            root=root,
+            step=step,
+            rank=rank,
+            world_size=world_size,
+            local_world_size=local,
+        )
         self._channel.post(begin, future, record)
         known = self._layouts.known(root, step)
         fallback = self._layouts.default(root, step)
         return PendingBegin(self._channel, record, future, known, fallback, self.begin_timeout)
+
+    def resolve_local_world_size(
+        self, world_size: int, local_world_size: int | None = None
+    ) -> int | None:
+        """What this client's ``begin`` says of this node's ranks, for ``world_size``.
+
+        ``local_world_size`` if given, else what the environment said when the client
+        was created (see :meth:`begin_nowait`), else None (one node).
+
+        Raises:
+            ValueError: the value does not fit ``world_size``, naming the argument or
+                the variable it came from.
+        """
+        return _nodes.local_world_size(world_size, local_world_size, self._node_env)
 
     def step_path(self, root: str, step: int) -> str | None:
         """Where ``step`` of ``root`` is written, if this client can name it without asking.
@@ -150,7 +216,14 @@ class CheckpointClient:
         self._channel.post(p.Fail(id=0, root=root, step=step, rank=rank, reason=reason[:4000]))
 
     def save(
-        self, root: str, step: int, rank: int, world_size: int, *, wait: bool = True
+        self,
+        root: str,
+        step: int,
+        rank: int,
+        world_size: int,
+        *,
+        wait: bool = True,
+        local_world_size: int | None = None,
     ) -> SaveHandle:
         """Begin a save and return the handle its futures are added to.
 
@@ -167,15 +240,21 @@ class CheckpointClient:
             root: The checkpoint root.
             step: The step.
             rank: This rank.
-            world_size: Number of ranks writing the step.
+            world_size: Number of ranks writing the step, over all nodes.
             wait: Wait for the daemon's acknowledgement before returning. With False,
                 the caller overlaps the wait with its own work and gates its writes on
                 it (``orchestrator.AfterBeginPlanner(handle)``).
+            local_world_size: How many of the step's ranks write on this node; default
+                from the environment (see :meth:`begin_nowait`).
 
         Returns:
             The handle, not yet sealed.
+
+        Raises:
+            ValueError: ``local_world_size``, or the environment it is read from, does
+                not fit ``world_size``; nothing is sent and nothing is created.
         """
-        handle, pending = self._open(root, step, rank, world_size)
+        handle, pending = self._open(root, step, rank, world_size, local_world_size)
         if wait:
             pending.result()
         path = pending.path  # waits only for a root whose layout is unknown (see above)
@@ -185,9 +264,9 @@ class CheckpointClient:
         return handle
 
     def _open(
-        self, root: str, step: int, rank: int, world_size: int
+        self, root: str, step: int, rank: int, world_size: int, local_world_size: int | None
     ) -> tuple[SaveHandle, PendingBegin]:
-        pending = self.begin_nowait(root, step, rank, world_size)
+        pending = self.begin_nowait(root, step, rank, world_size, local_world_size=local_world_size)
         handle = SaveHandle(root, step, rank, pending, self._forget)
         with self._lock:
             self._handles.add(handle)
@@ -242,6 +321,7 @@ class CheckpointClient:
         dcp_dir: str | None = None,
         group_rank: int | None = None,
         handle: SaveHandle | None = None,
+        local_world_size: int | None = None,
     ) -> SaveHandle:
         """Track every future of one rank's save of a step, and seal it.
 
@@ -263,27 +343,39 @@ class CheckpointClient:
             root: The checkpoint root.
             step: The step.
             rank: This rank.
-            world_size: Number of ranks writing the step.
+            world_size: Number of ranks writing the step, over all nodes.
             futures: A future, an ``AsyncSaveResponse``, or a list of them; ``done`` is
                 sent once all of them succeeded, ``fail`` as soon as one fails.
             dcp_dir: DCP directory of the futures, relative to the tmp dir, to report
                 the shard files from the save's metadata.
             group_rank: This rank in the checkpoint process group (default ``rank``).
             handle: The save's handle, begun before the save call (see above).
+            local_world_size: How many of the step's ranks write on this node; default
+                from the environment (see :meth:`begin_nowait`). With ``handle``, its
+                ``begin`` already said it: an explicit value must be the same.
 
         Returns:
             The sealed handle.
 
         Raises:
-            ValueError: ``handle`` is for another root, step or rank.
+            ValueError: ``handle`` is for another root, step or rank, or was begun with
+                another ``local_world_size``; or ``local_world_size`` (or the
+                environment it is read from) does not fit ``world_size``.
         """
         if handle is None:
-            handle, _ = self._open(root, step, rank, world_size)
+            handle, _ = self._open(root, step, rank, world_size, local_world_size)
         elif (handle.root, handle.step, handle.rank) != (root, step, rank):
             raise ValueError(
                 f"track({root!r}, {step}, {rank}) was given the handle of step "
                 f"{handle.step} of {handle.root!r}, rank {handle.rank}"
             )
+        elif local_world_size is not None:
+            local = self.resolve_local_world_size(world_size, local_world_size)
+            if local != handle.local_world_size:
+                raise ValueError(
+                    f"track(..., local_world_size={local}) was given the handle of a save "
+                    f"begun with local_world_size={handle.local_world_size}"
+                )
         for future in futures if isinstance(futures, list | tuple) else [futures]:
             handle.add(future, dcp_dir=dcp_dir, group_rank=group_rank)
         handle.seal()

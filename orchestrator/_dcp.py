@@ -64,6 +64,7 @@ def async_save(
     client: CheckpointClient | None = None,
     handle: SaveHandle | None = None,
     process_group: Any = None,
+    local_world_size: int | None = None,
     **kwargs: Any,
 ) -> Any:
     """Start ``dcp.async_save`` of ``state_dict`` into step ``step`` and let ckptd promote it.
@@ -108,6 +109,10 @@ def async_save(
         handle: The step's :class:`SaveHandle` when it is written in several parts; the
             caller then seals it. Default: begin a handle and seal it after this part.
         process_group: Group for DCP's collectives; default :func:`checkpoint_group`.
+        local_world_size: How many of the job's ranks are on this node; default
+            torchrun's ``LOCAL_WORLD_SIZE``, else Slurm's ``SLURM_NTASKS_PER_NODE``
+            (see :meth:`CheckpointClient.begin_nowait`). With ``handle``, the handle's
+            ``begin`` already said it: an explicit value must be the same.
         **kwargs: Passed to ``dcp.async_save`` (``async_stager``,
             ``async_checkpointer_type``, ``storage_writer``, ...).
 
@@ -115,9 +120,22 @@ def async_save(
         What ``dcp.async_save`` returned (a future or an ``AsyncSaveResponse``).
 
     Raises:
+        ValueError: ``local_world_size`` (or the environment it is read from) does not
+            fit the world size, or differs from ``handle``'s; raised before anything is
+            sent or written.
         BaseException: whatever ``dcp.async_save`` raises while starting; the daemon is
             told the save failed first.
     """
+    client = client or default_client()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    # Checked before anything starts: a bad count found after DCP's call would leave
+    # its upload waiting for a begin that is never sent.
+    local = client.resolve_local_world_size(world_size, local_world_size)
+    if handle is not None and local_world_size is not None and local != handle.local_world_size:
+        raise ValueError(
+            f"async_save(local_world_size={local}) was given the handle of a save begun "
+            f"with local_world_size={handle.local_world_size}"
+        )
     group = checkpoint_group(subdir) if process_group is None else process_group
     previous = _inflight.get(subdir)
     if previous is not None and not previous.done():
@@ -136,14 +154,14 @@ def async_save(
     if planner is not None:
         kwargs["planner"] = planner
     seal = handle is None
-    client = client or default_client()
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     # Where the step goes is known once the client can name it without the daemon; the
     # begin is then sent after DCP's call, so that neither the client's threads nor the
     # daemon compete with the call for the CPU and the GIL.
     path = client.step_path(root, step) if handle is None and planner is not None else None
     if handle is None and path is None:
-        handle = client.save(root, step, rank, world_size, wait=planner is None)
+        handle = client.save(
+            root, step, rank, world_size, wait=planner is None, local_world_size=local
+        )
         if planner is not None:
             planner.bind(handle)
     if planner is None:
@@ -166,7 +184,8 @@ def async_save(
             planner.bind(None)  # never begun: an upload DCP started must not write
         raise
     if handle is None:
-        handle = client.save(root, step, rank, world_size, wait=False)  # creates the dir
+        # creates the dir
+        handle = client.save(root, step, rank, world_size, wait=False, local_world_size=local)
         if planner is not None:
             planner.bind(handle)
     _inflight[subdir] = _upload_future(result)

@@ -91,6 +91,11 @@ class PendingBegin:
         """Directory to write the step into (waits for the acknowledgement if unknown)."""
         return self._path if self._path is not None else self.result().path
 
+    @property
+    def local_world_size(self) -> int | None:
+        """The step's ranks on this node, as this ``begin`` (and every re-send) says."""
+        return self._record.local_world_size
+
     def result(self) -> Begun:
         """The daemon's answer, waiting for it at most the client's ``begin_timeout``.
 

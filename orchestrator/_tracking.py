@@ -79,6 +79,11 @@ class SaveLink(Protocol):
         """The daemon's answer to the save's ``begin`` (bounded wait, never raises)."""
         ...
 
+    @property
+    def local_world_size(self) -> int | None:
+        """The step's ranks on this node, as the save's ``begin`` said (None: all)."""
+        ...
+
     def when_refused(self, callback: Callable[[], None]) -> None:
         """Have ``callback`` called if the daemon refuses the save's ``begin``."""
         ...
@@ -168,6 +173,14 @@ class SaveHandle:
         goes on unpromoted unless the daemon acknowledges it later).
         """
         return self.begun.error
+
+    @property
+    def local_world_size(self) -> int | None:
+        """How many of the step's ranks write on this node, as this save's ``begin`` said.
+
+        None when nothing said it: the daemon takes ``world_size``, one node.
+        """
+        return self._link.local_world_size
 
     @property
     def sealed(self) -> bool:

@@ -35,6 +35,8 @@ class SaveRecord:
         step: The step.
         rank: The rank.
         world_size: Ranks writing the step.
+        local_world_size: The step's ranks on this node, as the ``begin`` said (None:
+            all of them); every re-sent ``begin`` says the same.
         answer: What became of the begin: ``pending`` until answered, ``lost`` when it
             can never be (dropped, or its reply could not be read).
         attempt: The attempt the daemon put in its acknowledgement (None before, and
@@ -46,6 +48,7 @@ class SaveRecord:
     step: int
     rank: int
     world_size: int
+    local_world_size: int | None = None
     answer: Answer = "pending"
     attempt: str | None = None
     held: list[Outgoing] = field(default_factory=list)

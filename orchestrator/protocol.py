@@ -161,6 +161,9 @@ class ErrorCode(enum.StrEnum):
     earlier, failed or replaced run of the job); nothing was changed."""
     STEP_CLOSED = "step_closed"
     """``begin`` for a step that is being verified or promoted: no writer may join it."""
+    NODE_CONFLICT = "node_conflict"
+    """A save that spans nodes got a contradiction: a ``local_world_size`` unlike the
+    step's, more ranks on a node than it said, or a rank claimed by two nodes."""
     UNVERIFIABLE = "unverifiable"
     """``promote`` refused: the files on disk do not prove the step complete."""
     NOT_FOUND = "not_found"
@@ -218,6 +221,12 @@ class Begin(_Request, frozen=True, tag="begin"):
     start a failed step over, only re-attach to the attempt it belongs to. ``attempt``
     names that attempt (from the first ``begin`` reply); a begin naming an attempt that
     is not the step's current one is refused with ``stale_attempt``.
+
+    ``local_world_size`` is how many of the job's ranks write through this node's daemon
+    (torchrun's ``LOCAL_WORLD_SIZE``). None means ``world_size``: every rank is on this
+    node. Below ``world_size``, the step spans nodes: this node's daemon writes a node
+    marker once its ranks are done, and the daemon serving rank 0 promotes the step when
+    the markers cover every rank (``docs/multinode.md``).
     """
 
     root: PathStr
@@ -226,6 +235,7 @@ class Begin(_Request, frozen=True, tag="begin"):
     world_size: WorldSize
     resent: bool = False
     attempt: AttemptId | None = None
+    local_world_size: WorldSize | None = None
 
 
 class Done(_Request, frozen=True, tag="done"):
@@ -417,6 +427,8 @@ class RankInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     bytes: int = 0
     lease_s: float | None = None
     reason: str | None = None
+    node: str | None = None
+    """The node whose marker reported this rank (the leader of a spanning save)."""
 
 
 class SaveInfo(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -433,6 +445,13 @@ class SaveInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     attempt: str | None = None
     set_aside: str | None = None
     """Where a failed attempt's files were moved (inside the root's trash)."""
+    local_world_size: int | None = None
+    """For a save that spans nodes: the job's ranks on this node."""
+    role: Literal["leader", "node"] | None = None
+    """For a save that spans nodes: whether this daemon promotes it (the leader, serving
+    rank 0) or learns its outcome from the shared directory."""
+    marked: bool = False
+    """For a save that spans nodes: this node's marker is durable."""
 
 
 class RootInfo(msgspec.Struct, frozen=True):
@@ -486,6 +505,8 @@ class StatusReply(_Reply, frozen=True, kw_only=True):
     """Steps that pending waits wait for (what they cost the daemon's memory)."""
     stalled: list[StallInfo] = []
     """Roots (and the journal) reported stalled (``root.stalled``) and not yet recovered."""
+    node: str = ""
+    """This daemon's node name (``--node``)."""
 
 
 class LatestReply(_Reply, frozen=True, kw_only=True):

@@ -24,6 +24,13 @@ op = st.one_of(
     st.tuples(st.just("promote"), st.integers(0, 2), st.booleans()),
     st.tuples(st.just("rescue"), st.integers(0, 2)),
     st.tuples(st.just("forget"), st.integers(0, 2)),
+    # Steps 5 and 6 span two nodes: ranks 0-1 here (rank 0: this node leads), 2-3 on "b".
+    st.tuples(st.just("span_begin"), st.sampled_from([5, 6]), st.integers(0, 3)),
+    st.tuples(st.just("span_done"), st.sampled_from([5, 6]), st.integers(0, 1)),
+    st.tuples(st.just("marked"), st.sampled_from([5, 6])),
+    st.tuples(st.just("remote"), st.sampled_from([5, 6]), st.booleans()),
+    st.tuples(st.just("learned"), st.sampled_from([5, 6]), st.booleans()),
+    st.tuples(st.just("span_rescue"), st.sampled_from([5, 6])),
 )
 
 
@@ -35,7 +42,13 @@ def _fingerprint(ledger: Ledger) -> dict[SaveKey, Any]:
             save.world_size,
             save.reason,
             save.path,
-            sorted((r, rec.state, rec.files, rec.reason) for r, rec in save.ranks.items()),
+            sorted(
+                (r, rec.state, rec.files, rec.reason, rec.node) for r, rec in save.ranks.items()
+            ),
+            save.local_world_size,
+            save.marked,
+            save.learned,
+            save.fenced,
         )
         for save in ledger
     }
@@ -77,6 +90,33 @@ def _run(ops: list[tuple[Any, ...]]) -> tuple[Ledger, list[JournalRecord]]:
                     verifying.add(SaveKey(ROOT, step))
                 case ("forget", step):
                     ledger.forget(SaveKey(ROOT, step))
+                case ("span_begin", step, rank):
+                    key = SaveKey(ROOT, step)
+                    ledger.begin(key, rank, 4, rank + 1, now, fresh=f"a{step}", local_world_size=2)
+                case ("span_done", step, rank):
+                    files = [FileEntry(f"r{rank}.bin", 10 * rank)]
+                    ledger.done(SaveKey(ROOT, step), rank, files, rank + 1, now)
+                case ("marked", step):
+                    ledger.node_marked(SaveKey(ROOT, step), now)
+                case ("remote", step, ok):
+                    key = SaveKey(ROOT, step)
+                    save = ledger.get(key)
+                    attempt = save.attempt if save is not None else ""
+                    if ok:
+                        node = {2: [FileEntry("r2.bin", 2)], 3: [FileEntry("r3.bin", 3)]}
+                        effects = ledger.remote_done(key, "b", attempt, 2, node, now)
+                        verifying |= {e.key for e in effects if isinstance(e, Verify)}
+                    else:
+                        ledger.remote_failed(key, "b", attempt, "oom", now)
+                case ("learned", step, promoted):
+                    key = SaveKey(ROOT, step)
+                    save = ledger.get(key)
+                    attempt = save.attempt if save is not None else ""
+                    detail = f"{ROOT}/step_{step}" if promoted else "node b: oom"
+                    ledger.learned(key, attempt, promoted=promoted, detail=detail, now=now)
+                case ("span_rescue", step):
+                    ledger.rescue(SaveKey(ROOT, step), now, attempt=f"a{step}", world_size=4)
+                    verifying.add(SaveKey(ROOT, step))
         except RequestError:
             pass
         records += ledger.drain_records()

@@ -17,10 +17,14 @@ from typing import Any
 import pytest
 
 from daemon.cli import main
+from tests import test_spanning
 from tests.conftest import DaemonProcess, LineClient
 from tests.test_server import TIMEOUT, begin, connect, done, error_code, of, ok, write_files
+from tests.test_spanning import Job
 
 Start = Callable[..., DaemonProcess]
+cluster = test_spanning.cluster
+"""The fixture of node daemons sharing one root (``tests/test_spanning.py``)."""
 
 
 def configure(tmp: Path, root: Path, retention: str, **root_keys: str) -> Path:
@@ -395,3 +399,32 @@ class TestNotOurs:
         }
         assert steps_on_disk(root) == [1, 2, 3, 12]
         assert (root / "step_1" / "weights.bin").read_bytes() == b"x"
+
+
+class TestSharedRoot:
+    """On a root shared between nodes, only the leader (rank 0's daemon) prunes."""
+
+    def test_only_the_leader_prunes(self, cluster: Callable[..., Job], tmp_path: Path) -> None:
+        root = tmp_path / "ckpt"
+        root.mkdir()
+        config = configure(tmp_path, root, "keep_last = 1")
+        job = cluster(2, 1, "--config", str(config), configured=True)
+        leader, follower = job.daemons
+        with connect(leader) as client:
+            for step in (1, 2):
+                assert all(r["ok"] for r in job.begin_all(step).values())
+                for rank in (0, 1):
+                    ok(job.write_and_done(step, rank))
+                assert job.wait(0, step)["state"] == "promoted"
+                if step == 1:
+                    ok(client.request("pin", root=str(root), step=1))  # the leader's pin
+        with connect(follower) as client:  # knows no pin: it would retire step 1
+            report = ok(client.request("retention", root=str(root), apply=True))
+        assert report["info"]["prunes"] is False and report["retired"] == []
+        assert steps_on_disk(root) == [1, 2]
+        with connect(leader) as client:
+            report = ok(client.request("retention", root=str(root), apply=True))
+            assert "prunes" not in report["info"]  # true, the default, is left out
+            ok(client.request("unpin", root=str(root), step=1))
+            ok(client.request("retention", root=str(root), apply=True))
+        assert steps_on_disk(root) == [2]

@@ -56,7 +56,7 @@ class _Retaining(Host, Protocol):
     def trash(self) -> TrashRemover: ...
 
 
-def prunes_every_root(root: RootConfig) -> bool:
+def prunes_every_root(root: RootConfig, leader: str | None) -> bool:
     """The default :attr:`Retention.may_prune`: this daemon prunes every root it serves."""
     return True
 
@@ -67,11 +67,16 @@ class Retention:
     Args:
         daemon: The daemon (ledger, lanes, locks, journal commits, events, trash).
         may_prune: Whether this daemon may change ``root`` (move ``best``, retire
-            steps). On a root shared by several nodes, only the leader's daemon may.
+            steps), given the node that led the root's newest checkpoint (None: it did
+            not span nodes; "": it did, but no marker names rank 0). On a root shared
+            by several nodes, only the leader's daemon may.
     """
 
     def __init__(
-        self, daemon: _Retaining, *, may_prune: Callable[[RootConfig], bool] = prunes_every_root
+        self,
+        daemon: _Retaining,
+        *,
+        may_prune: Callable[[RootConfig, str | None], bool] = prunes_every_root,
     ) -> None:
         self._daemon = daemon
         self.may_prune = may_prune
@@ -83,6 +88,7 @@ class Retention:
         self._kicks = {r.path: anyio.Event() for r in roots}
         self._passing = {r.path: anyio.Lock() for r in roots}
         self._wake_at: dict[str, float] = {}
+        self._last_prunes: dict[str, bool] = {}
         self._group: TaskGroup | None = None
         self._stopped = anyio.Event()
 
@@ -173,7 +179,7 @@ class Retention:
             await self._adopt(root, found)
             now = time.time()
             self.state.prune(root.path, {f.step for f in found}, now)
-            prunes = self.may_prune(root)
+            prunes = self._last_prunes[root.path] = await self._prunes(root, found)
             facts = self._facts(root, found, now)
             best = best_step(config.policy, facts)
             lanes = self._daemon.lanes
@@ -190,6 +196,14 @@ class Retention:
                 with anyio.CancelScope(shield=True):
                     verdicts, gone = await self._retire(root)
             return verdicts, on_disk, gone
+
+    async def _prunes(self, root: RootConfig, found: list[disk.Found]) -> bool:
+        """Whether this daemon changes ``root`` (:attr:`may_prune`, given who led it)."""
+        complete = [f.step for f in found if f.complete]
+        leader = None
+        if complete:
+            leader = await self._daemon.lanes.run(root.path, disk.leader_node, root, complete[-1])
+        return self.may_prune(root, leader)
 
     async def _scan(self, root: RootConfig) -> list[disk.Found]:
         return await self._daemon.lanes.run(root.path, disk.scan, root, self._cache)
@@ -413,7 +427,7 @@ class Retention:
     async def _report(self, request: p.Retention, root: RootConfig) -> p.RetentionReply:
         config = root.retention
         if config is None:
-            info = p.RetentionInfo(policy="", prunes=self.may_prune(root))
+            info = p.RetentionInfo(policy="", prunes=False)
             return p.RetentionReply(id=request.id, info=info, steps=[])
         try:
             verdicts, best, gone = await self.run_pass(root, apply=request.apply)
@@ -440,6 +454,6 @@ class Retention:
             policy=config.policy.describe(),
             best=best,
             best_pointer=config.best_pointer,
-            prunes=self.may_prune(root),
+            prunes=self._last_prunes.get(root.path, True),
         )
         return p.RetentionReply(id=request.id, info=info, steps=steps, retired=gone)

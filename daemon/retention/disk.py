@@ -26,6 +26,7 @@ from .. import _gc
 from .._attempts import read_marker
 from .._config import RootConfig
 from .._durable import fsync_dir, write_atomic
+from .._markers import NODE_PREFIX, NodeMarker
 from .._promoter import read_pointer
 from .._verify import MANIFEST_NAME
 from .state import MAX_METRICS
@@ -35,6 +36,7 @@ __all__ = [
     "Found",
     "ManifestCache",
     "doomed_step",
+    "leader_node",
     "read_named_pointer",
     "retire",
     "scan",
@@ -146,6 +148,33 @@ def _when(created: str, fallback: float) -> float:
         return datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp()
     except ValueError:
         return fallback
+
+
+def leader_node(root: RootConfig, step: int) -> str | None:
+    """The node that led promoted step ``step``, if it spanned nodes. Blocking I/O.
+
+    A save that spans nodes leaves each node's marker in its directory, and the rename
+    takes them into ``step_N``: the leader is the node whose marker holds global rank 0.
+    None: no marker (a save of one node's ranks). "": markers, but none names rank 0.
+    """
+    markers: list[NodeMarker] = []
+    try:
+        with os.scandir(root.final_dir(step)) as entries:
+            names = [e.path for e in entries if e.name.startswith(NODE_PREFIX)]
+    except OSError:
+        return None
+    for path in names:
+        try:
+            with open(path, "rb") as fh:
+                markers.append(msgspec.json.decode(fh.read(_MAX_INFO), type=NodeMarker))
+        except (OSError, msgspec.DecodeError):
+            continue
+    if not names:
+        return None
+    for marker in markers:
+        if "0" in marker.files:
+            return marker.node
+    return ""
 
 
 def read_named_pointer(root: RootConfig, name: str) -> int | None:

@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._client import CheckpointClient
+from .._nodes import local_world_size, read_environment
 from ._dtypes import MasterWeightDtypeError, describe_drift, master_weight_drift
 from ._lora import _resolve_lora_adapter_dir, peft_load_dir
 from ._promotion import StepTracker, connect
@@ -64,6 +65,10 @@ class AutomodelCheckpointManager:
             None (default): only if every rank reaches a daemon at
             :meth:`init_checkpointer`.
         tmp_prefix: The root's ``tmp_prefix`` as configured in the daemon.
+        local_world_size: How many of the job's ranks run on this node, for a job
+            across nodes. Default: torchrun's ``LOCAL_WORLD_SIZE``, else Slurm's
+            ``SLURM_NTASKS_PER_NODE`` (see ``CheckpointClient.begin_nowait``); checked
+            against the world size in :meth:`init_checkpointer`.
     """
 
     def __init__(
@@ -75,6 +80,7 @@ class AutomodelCheckpointManager:
         client: CheckpointClient | None = None,
         use_daemon: bool | None = None,
         tmp_prefix: str = "tmp_step_",
+        local_world_size: int | None = None,
     ) -> None:
         self.checkpointer: Checkpointer | None = None
         self.dp_mesh = dp_mesh
@@ -83,6 +89,7 @@ class AutomodelCheckpointManager:
         self._client = client
         self._use_daemon = use_daemon
         self._tmp_prefix = tmp_prefix
+        self._local_world_size = local_world_size
         self._tracker: StepTracker | None = None
 
     # -- the reference API ----------------------------------------------------------------
@@ -114,9 +121,15 @@ class AutomodelCheckpointManager:
         Args:
             config_updates: Automodel checkpoint fields to set during initialization
                 (e.g. :func:`build_checkpoint_config`'s result).
+
+        Raises:
+            ValueError: the constructor's ``local_world_size`` (or the environment it is
+                read from) does not fit the world size; raised before anything else.
         """
         if self.checkpointer is not None:
             return
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        local = local_world_size(world, self._local_world_size, read_environment())
         updates = dict(config_updates or {})
         updates.setdefault("save_consolidated", "false")
         config = CheckpointingConfig(enabled=True, checkpoint_dir="", **updates)
@@ -132,7 +145,7 @@ class AutomodelCheckpointManager:
         )
         client = connect(self._use_daemon, self._client)
         if client is not None:
-            self._tracker = StepTracker(client, self._tmp_prefix)
+            self._tracker = StepTracker(client, self._tmp_prefix, local_world_size=local)
 
     def finalize_async_save(self) -> None:
         """Block until in-flight async checkpoint writes have landed on disk.

@@ -100,11 +100,16 @@ class StepTracker:
     Args:
         client: The daemon client.
         tmp_prefix: The root's ``tmp_prefix`` as configured in the daemon.
+        local_world_size: The job's ranks on this node, sent with every ``begin``
+            (None: as the environment says, see ``CheckpointClient.begin_nowait``).
     """
 
-    def __init__(self, client: CheckpointClient, tmp_prefix: str) -> None:
+    def __init__(
+        self, client: CheckpointClient, tmp_prefix: str, *, local_world_size: int | None = None
+    ) -> None:
         self.client = client
         self.tmp_prefix = tmp_prefix
+        self.local_world_size = local_world_size
         self.open: TrackedStep | None = None
         self._sealed: list[SaveHandle] = []
         self._consolidation: Future[None] | None = None
@@ -141,7 +146,9 @@ class StepTracker:
             for path in (weights_path, optimizer_path, tokenizer_path):
                 if path:
                     location.relative(path)
-            handle = self.client.save(location.root, location.step, rank, world)
+            handle = self.client.save(
+                location.root, location.step, rank, world, local_world_size=self.local_world_size
+            )
         refused = _refusals(handle, rank, world)
         if refused:
             mine = [error for error in refused if error.rank == rank]

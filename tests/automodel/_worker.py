@@ -94,7 +94,14 @@ class Job:
 
         dist.barrier()
 
-    def manager(self, checkpoint: dict[str, Any], *, is_async: bool, is_peft: bool = False) -> Any:
+    def manager(
+        self,
+        checkpoint: dict[str, Any],
+        *,
+        is_async: bool,
+        is_peft: bool = False,
+        local_world_size: int | None = None,
+    ) -> Any:
         from orchestrator.automodel import AutomodelCheckpointManager, build_checkpoint_config
 
         config = build_checkpoint_config(
@@ -104,7 +111,9 @@ class Job:
             is_peft=is_peft,
             is_async=is_async,
         )
-        manager = AutomodelCheckpointManager(self.dp_mesh, self.tp_mesh)
+        manager = AutomodelCheckpointManager(
+            self.dp_mesh, self.tp_mesh, local_world_size=local_world_size
+        )
         manager.init_checkpointer(config)
         return manager
 
@@ -421,6 +430,28 @@ def refused(job: Job) -> None:
     manager.close()
 
 
+def nodes(job: Job) -> None:
+    """One save against a daemon that refuses it: the begins say the node's ranks."""
+    from orchestrator import SaveRefused
+    from tests.automodel._models import tiny_llama
+
+    local = job.args.local_world_size
+    manager = job.manager(
+        {"model_save_format": "torch_save", "save_consolidated": False},
+        is_async=True,
+        local_world_size=None if local < 0 else local,
+    )
+    say(event="ready", rank=job.rank, uses_daemon=manager.uses_daemon)
+    policy = os.path.join(job.init_tmp_checkpoint(1, {"step": 1}), "policy")
+    try:
+        manager.save_checkpoint(
+            tiny_llama(seed=0), os.path.join(policy, "weights"), is_final_checkpoint=False
+        )
+    except SaveRefused as exc:
+        say(event="refused", rank=job.rank, code=exc.code)
+    manager.close()
+
+
 def final_save(job: Job, model: Any, optimizer: Any, scheduler: Any) -> None:
     """The run's final checkpoint: safetensors, consolidated to HF format after upload."""
     step = job.args.final_step
@@ -477,7 +508,7 @@ def metrics(job: Job) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["roundtrip", "loop", "refused", "metrics"])
+    parser.add_argument("scenario", choices=["roundtrip", "loop", "refused", "nodes", "metrics"])
     parser.add_argument("--root", required=True)
     parser.add_argument("--side", default="", help="directory for reference tensors")
     parser.add_argument("--format", default="torch_save")
@@ -487,6 +518,7 @@ def main() -> None:
     parser.add_argument("--hold-before-step", type=int, default=-1)
     parser.add_argument("--hold-file-step", type=int, default=-1)
     parser.add_argument("--final-step", type=int, default=-1, help="a final safetensors save")
+    parser.add_argument("--local-world-size", type=int, default=-1, help="-1: from the env")
     parser.add_argument("--losses", default="", help="STEP=VAL_LOSS,... (the metrics scenario)")
     args = parser.parse_args()
     job = Job(args)
@@ -496,6 +528,8 @@ def main() -> None:
         dtypes(job)
     elif args.scenario == "refused":
         refused(job)
+    elif args.scenario == "nodes":
+        nodes(job)
     elif args.scenario == "metrics":
         metrics(job)
     else:

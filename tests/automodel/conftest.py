@@ -23,7 +23,14 @@ WORKER = REPO / "tests" / "automodel" / "_worker.py"
 class RankJob:
     """``world`` rank processes of one scenario, their JSON lines readable in order."""
 
-    def __init__(self, scenario: str, args: list[str], socket_path: Path, world: int = 2) -> None:
+    def __init__(
+        self,
+        scenario: str,
+        args: list[str],
+        socket_path: Path,
+        world: int = 2,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.lines: queue.Queue[dict[str, Any]] = queue.Queue()
         self.seen: list[dict[str, Any]] = []
         self.upload_pids: set[int] = set()
@@ -32,7 +39,8 @@ class RankJob:
         port = free_port()
         for rank in range(world):
             # socket_path: a daemon's socket, or a path where none listens (the reference mode).
-            proc = start_rank([str(WORKER), scenario, *args], rank, world, port, socket_path)
+            cmd = [str(WORKER), scenario, *args]
+            proc = start_rank(cmd, rank, world, port, socket_path, env)
             self.procs.append(proc)
             self.pumps.append(pump_lines(proc, rank, self._put))
 
@@ -92,8 +100,14 @@ def rank_jobs(short_dir: Path) -> Iterator[Callable[..., RankJob]]:
     """Start 2-rank jobs; whatever still runs at the end is killed."""
     started: list[RankJob] = []
 
-    def make(scenario: str, *args: str, socket_path: Path | None = None) -> RankJob:
-        job = RankJob(scenario, list(args), socket_path or short_dir / "no-daemon.sock")
+    def make(
+        scenario: str,
+        *args: str,
+        socket_path: Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> RankJob:
+        sock = socket_path or short_dir / "no-daemon.sock"
+        job = RankJob(scenario, list(args), sock, env=env)
         started.append(job)
         return job
 

@@ -1,0 +1,493 @@
+"""The I/O side of saves that span nodes: attempts agreed, markers written and read.
+
+:class:`Nodes` carries out, for one daemon, what :mod:`daemon._spanning` decides:
+
+- a node that has not seen global rank 0 takes the attempt the leader wrote into
+  ``tmp_step_N`` (:meth:`Nodes.attempt_for`), so every node's ranks join one attempt;
+- once this node's ranks are done it checks their files and writes its marker
+  (:class:`~daemon._saves.MarkNode`);
+- the leader then watches the shared directory for the other nodes' markers, every
+  other node for the outcome (:class:`~daemon._saves.Watch`): with watchfiles on a local
+  filesystem, by polling on a shared one, where inotify cannot see other machines'
+  writes;
+- a failure is written where the other nodes look (:class:`~daemon._saves.NodeFailed`)
+  before it is reported here.
+
+Every blocking call runs in the root's lane, so a hung mount delays only its root.
+"""
+
+from __future__ import annotations
+
+import errno
+import time
+from collections.abc import Awaitable, Callable, Collection, Coroutine
+from functools import partial
+from typing import Any, Final
+
+import anyio
+import watchfiles
+from anyio.abc import TaskGroup
+
+from orchestrator import protocol as p
+
+from . import _attempts, _fence, _markers
+from ._config import RootConfig
+from ._errors import RequestError
+from ._faults import crash_point
+from ._host import Coordinating
+from ._markers import NodeMarker, Seen
+from ._saves import Effect, MarkNode, NodeFailed, SaveKey, SaveRecord, Watch, ranges
+
+__all__ = ["Nodes", "RescueMarkers", "rescue_markers"]
+
+_SAFETY_POLL: Final = 1.0
+"""Seconds between looks even when watchfiles reports nothing (a missed event)."""
+
+
+class Nodes:
+    """Coordination of spanning saves through the shared filesystem, for one daemon.
+
+    Args:
+        daemon: Whose ledger, config, lanes and events to use.
+        run: Runs a blocking call for a root in its lane (``await run(root, fn, *args)``).
+        local_roots: Roots on a local filesystem (watched with inotify under ``auto``).
+    """
+
+    def __init__(
+        self,
+        daemon: Coordinating,
+        *,
+        run: Callable[..., Awaitable[object]],
+        local_roots: Collection[str],
+    ) -> None:
+        self._daemon = daemon
+        self._run = run
+        self._local = set(local_roots)
+        self.group: TaskGroup | None = None
+        """Where markers are written and watched; set by ``serve``."""
+        self._watching: set[SaveKey] = set()
+        self._begun: dict[SaveKey, anyio.Event] = {}
+        self._locks: dict[SaveKey, anyio.Lock] = {}
+        self._done_written: set[tuple[SaveKey, str]] = set()
+        self._pending: dict[SaveKey, int] = {}
+        self.promote: Callable[[SaveKey], None] | None = None
+        """Starts a promotion again (a leader whose rival claim went away)."""
+
+    @property
+    def node(self) -> str:
+        """This node's name."""
+        return self._daemon.config.node
+
+    def reporting(self, key: SaveKey) -> bool:
+        """Whether ``key``'s failure is still being written out, so not yet reported."""
+        return key in self._pending
+
+    # -- agreeing on the attempt ---------------------------------------------------------
+
+    def begun(self, key: SaveKey) -> None:
+        """A ``begin`` created or joined ``key`` here: wake the begins waiting for it."""
+        event = self._begun.pop(key, None)
+        if event is not None:
+            event.set()
+
+    async def attempt_for(self, root: RootConfig, key: SaveKey, world_size: int) -> str | None:
+        """The attempt a spanning save's first ``begin`` on this node joins.
+
+        Waits until the leader's attempt marker is in ``tmp_step_N`` (its attempt is
+        returned) or a ``begin`` on this node created the save meanwhile (None). A marker
+        of an attempt known to have ended is no one's to join.
+
+        Raises:
+            RequestError: (``unavailable``) no attempt marker within ``node_timeout``.
+        """
+        daemon = self._daemon
+        deadline = daemon.clock() + daemon.config.node_timeout
+        tmp = root.tmp_dir(key.step)
+        while True:
+            save = daemon.ledger.get(key)
+            if save is not None and save.state is p.SaveState.OPEN:
+                return None
+            marker = await self._run(root, _attempts.read_marker, tmp)
+            if isinstance(marker, p.AttemptMarker) and marker.world_size == world_size:
+                ended = save is not None and save.attempt == marker.attempt
+                if not ended:
+                    verdict = await self._run(
+                        root, _markers.read_verdict, root, key.step, marker.attempt
+                    )
+                    if verdict is None:
+                        return marker.attempt
+            left = deadline - daemon.clock()
+            if left <= 0:
+                raise RequestError(
+                    p.ErrorCode.UNAVAILABLE,
+                    f"step {key.step} spans nodes, and the leader (the daemon serving rank 0) "
+                    f"wrote no attempt marker into {tmp} within node_timeout "
+                    f"{daemon.config.node_timeout:g}s; retry",
+                )
+            event = self._begun.setdefault(key, anyio.Event())
+            with anyio.move_on_after(min(root.poll_interval, left)):
+                await event.wait()
+
+    def announce(self, root: RootConfig, save: SaveRecord) -> None:
+        """Say in the shared directory that this node writes ``save`` (best effort)."""
+        token = (save.key, save.attempt)
+        if self.group is None or token in self._done_written:
+            return
+        self._done_written.add(token)  # once per attempt; the done marker replaces it
+        self._spawn(self._write_writing, root, save.key, save.attempt)
+
+    async def _write_writing(self, root: RootConfig, key: SaveKey, attempt: str) -> None:
+        save = self._daemon.ledger.get(key)
+        if save is None or save.attempt != attempt or save.marked:
+            return
+        marker = self._marker(save, "writing")
+        async with self._lock(key):
+            if save.marked or save.locally_done():
+                return
+            try:
+                write = partial(_markers.write_marker, durable=False)
+                await self._run(root, write, root, key.step, marker)
+            except OSError:
+                pass  # only names this node in the leader's timeout message
+
+    # -- effects -------------------------------------------------------------------------
+
+    def start(self, effect: MarkNode | Watch | NodeFailed) -> None:
+        """Carry out one spanning-save effect in the background."""
+        if self.group is None:  # recovery before serving: the effects come again
+            if isinstance(effect, NodeFailed):
+                self._daemon.apply(effect.then)
+            return
+        if isinstance(effect, MarkNode):
+            self._spawn(self._mark, effect.key)
+        elif isinstance(effect, Watch):
+            if effect.key not in self._watching:
+                self._watching.add(effect.key)
+                self._spawn(self._watch, effect.key)
+        else:
+            self._pending[effect.key] = self._pending.get(effect.key, 0) + 1
+            self._spawn(self._failed, effect)
+
+    def _spawn(self, fn: Callable[..., Coroutine[Any, Any, None]], *args: object) -> None:
+        """Run ``fn(*args)`` in the background; a bug in it never takes the daemon down."""
+        assert self.group is not None
+        self.group.start_soon(self._guarded, fn, *args)
+
+    async def _guarded(self, fn: Callable[..., Coroutine[Any, Any, None]], *args: object) -> None:
+        try:
+            await fn(*args)
+        except Exception as exc:  # a task boundary: report, never crash the daemon
+            where = getattr(fn, "__name__", "nodes")
+            self._daemon.events.emit("daemon.internal_error", "error", where=where, error=repr(exc))
+
+    async def _mark(self, key: SaveKey) -> None:
+        daemon = self._daemon
+        save = daemon.ledger.get(key)
+        if save is None or save.state is not p.SaveState.OPEN or save.marked:
+            return
+        root = daemon.configured(key.root)
+        files = {r: save.ranks[r].files for r in save.local_ranks()}
+        with anyio.CancelScope(shield=True):
+            # After a restart the step may be settled already (our marker landed
+            # before the crash): learn that rather than judge a directory that moved.
+            if await self._learn(root, save):
+                return
+            try:
+                problems = await self._run(root, _markers.check_files, root, key.step, files)
+            except OSError as exc:
+                problems = [f"files could not be checked: {exc.strerror or exc}"]
+            assert isinstance(problems, list)
+            if problems:
+                reason = f"node {self.node}: " + "; ".join(problems[:8])
+                await self._commit(daemon.ledger.rejected(key, reason, daemon.clock()))
+                return
+            marker = self._marker(save, "done")
+            try:
+                async with self._lock(key):
+                    await self._run(root, _markers.write_marker, root, key.step, marker)
+                crash_point("after_node_marker")
+            except OSError as exc:
+                if exc.errno == errno.ESTALE:  # the directory moved on: learn where to
+                    await self.follow(root, save)
+                    return
+                reason = f"node {self.node}: marker not written: {exc.strerror or exc}"
+                await self._commit(daemon.ledger.rejected(key, reason, daemon.clock()))
+                return
+            await self._commit(daemon.ledger.node_marked(key, daemon.clock()))
+
+    def follow_later(self, key: SaveKey) -> None:
+        """Learn ``key``'s outcome from the shared directory (another node promotes it)."""
+        save = self._daemon.ledger.get(key)
+        if self.group is not None and save is not None:
+            root = self._daemon.configured(key.root)
+            self._spawn(self.follow, root, save)
+
+    async def _watch(self, key: SaveKey) -> None:
+        try:
+            save = self._daemon.ledger.get(key)
+            if save is None:
+                return
+            root = self._daemon.configured(key.root)
+            if save.leader and save.state is p.SaveState.OPEN:
+                await self._gather(root, save)
+            else:
+                await self.follow(root, save)
+        finally:
+            self._watching.discard(key)
+
+    async def _gather(self, root: RootConfig, save: SaveRecord) -> None:
+        """The leader: take the other nodes' markers until the save leaves OPEN."""
+        daemon, key, attempt = self._daemon, save.key, save.attempt
+        seen: Seen = {}
+        async with self._waker(root, root.tmp_dir(key.step)) as wake:
+            while self._open(key, attempt):
+                found = await self._run(root, _markers.read_markers, root, key.step, seen)
+                assert isinstance(found, list)
+                effects: list[Effect] = []
+                now = daemon.clock()
+                for marker in found:
+                    if marker.node == self.node or marker.attempt != attempt:
+                        continue  # our own, or a zombie's
+                    if marker.state == "done":
+                        effects += daemon.ledger.remote_done(
+                            key, marker.node, attempt, marker.local_world_size, marker.ranks(), now
+                        )
+                    elif marker.state == "failed":
+                        effects += daemon.ledger.remote_failed(
+                            key, marker.node, attempt, marker.reason or "failed", now
+                        )
+                    else:
+                        effects += daemon.ledger.remote_writing(
+                            key, marker.node, attempt, marker.local_world_size, now
+                        )
+                if effects or daemon.ledger.pending_records():
+                    await self._commit(effects)
+                await wake()
+
+    async def follow(self, root: RootConfig, save: SaveRecord) -> None:
+        """Every other node (or a leader that lost the claim): wait for the outcome."""
+        daemon, key, attempt = self._daemon, save.key, save.attempt
+        async with self._waker(root, root.path) as wake:
+            while (now := daemon.ledger.get(key)) is not None and now.attempt == attempt:
+                if now.state not in (p.SaveState.OPEN, p.SaveState.VERIFYING):
+                    return
+                if await self._learn(root, now):
+                    return
+                if now.state is p.SaveState.VERIFYING and self.promote is not None:
+                    # A leader that yielded to another node's claim: if that node gave
+                    # up (its claim is gone, the directory still ours), promote it here.
+                    if not await self._run(root, _fence.claimed, root, key.step):
+                        self.promote(key)
+                        return
+                await wake()
+
+    async def _learn(self, root: RootConfig, save: SaveRecord) -> bool:
+        """Take the outcome of ``save``'s attempt if the shared directory has it."""
+        daemon, key, attempt = self._daemon, save.key, save.attempt
+        outcome = await self._run(root, _markers.read_outcome, root, key.step, attempt)
+        if not isinstance(outcome, _markers.Outcome):
+            return False
+        detail = outcome.detail
+        if outcome.state == "superseded":
+            detail = (
+                f"the leader set attempt {attempt} aside; attempt {detail} owns the step's "
+                "directory now"
+            )
+        promoted = outcome.state == "promoted"
+        effects = daemon.ledger.learned(
+            key, attempt, promoted=promoted, detail=detail, now=daemon.clock()
+        )
+        await self._commit(effects)
+        return True
+
+    async def _failed(self, effect: NodeFailed) -> None:
+        daemon, key = self._daemon, effect.key
+        try:
+            with anyio.CancelScope(shield=True):
+                root = daemon.configured(key.root)
+                save = daemon.ledger.get(key)
+                if effect.announce and save is not None:
+                    marker = self._marker(save, "failed", reason=effect.reason)
+                    try:
+                        async with self._lock(key):
+                            await self._run(root, _markers.write_marker, root, key.step, marker)
+                    except OSError as exc:
+                        self._marker_failed(key, effect.attempt, exc)
+                if effect.leader:
+                    await self.write_verdict(root, key, effect.attempt, effect.reason)
+                    await daemon.attempt_dirs.set_aside(key, effect.attempt)
+        finally:
+            left = self._pending[key] - 1
+            if left:
+                self._pending[key] = left
+            else:
+                del self._pending[key]
+            daemon.apply(effect.then)
+
+    async def write_verdict(
+        self, root: RootConfig, key: SaveKey, attempt: str, reason: str
+    ) -> None:
+        """The leader: durably say, where every node looks, that ``attempt`` failed."""
+        try:
+            await self._run(
+                root, _markers.write_verdict, root, key.step, attempt, self.node, reason
+            )
+        except OSError as exc:
+            self._marker_failed(key, attempt, exc)
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _marker(self, save: SaveRecord, state: _markers.NodeState, reason: str = "") -> NodeMarker:
+        files = {}
+        if state == "done":
+            files = {str(r): list(save.ranks[r].files) for r in sorted(save.local_ranks())}
+        return NodeMarker(
+            node=self.node,
+            attempt=save.attempt,
+            step=save.key.step,
+            world_size=save.world_size,
+            local_world_size=save.local_world_size,
+            state=state,
+            files=files,
+            reason=reason,
+            written=_markers.now_iso(),
+        )
+
+    def _marker_failed(self, key: SaveKey, attempt: str, exc: OSError) -> None:
+        self._daemon.events.emit(
+            "node.marker_failed",
+            "error",
+            root=key.root,
+            step=key.step,
+            attempt=attempt,
+            error=exc.strerror or str(exc),
+        )
+
+    def _lock(self, key: SaveKey) -> anyio.Lock:
+        lock = self._locks.get(key)
+        if lock is None:
+            lock = self._locks[key] = anyio.Lock()
+        return lock
+
+    def forget(self, key: SaveKey) -> None:
+        """The save settled: drop what was kept for it."""
+        self._locks.pop(key, None)
+        for token in [t for t in self._done_written if t[0] == key]:
+            self._done_written.discard(token)
+
+    def _open(self, key: SaveKey, attempt: str) -> bool:
+        save = self._daemon.ledger.get(key)
+        return save is not None and save.attempt == attempt and save.state is p.SaveState.OPEN
+
+    async def _commit(self, effects: list[Effect]) -> None:
+        try:
+            await self._daemon.commit(effects)
+        except RequestError:
+            pass  # reported as journal.failed; retried on the next look or after a restart
+
+    def _waker(self, root: RootConfig, path: str) -> _Waker:
+        mode = root.watch
+        if mode == "auto":
+            mode = "inotify" if root.path in self._local else "poll"
+        return _Waker(path, root.poll_interval if mode == "poll" else None, self.group)
+
+
+class _Waker:
+    """Wakes a watcher when ``path`` changes (watchfiles), or every ``interval`` seconds."""
+
+    def __init__(self, path: str, interval: float | None, group: TaskGroup | None) -> None:
+        self._path = path
+        self._interval = interval
+        self._group = group
+        self._changed = anyio.Event()
+        self._stop = anyio.Event()
+        self._started = time.monotonic()
+
+    async def __aenter__(self) -> Callable[[], Awaitable[None]]:
+        if self._interval is None and self._group is not None:
+            self._group.start_soon(self._pump)
+        return self.wait
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._stop.set()
+
+    async def wait(self) -> None:
+        """Return at the next change, or after the interval."""
+        if self._interval is not None:
+            await anyio.sleep(self._interval)
+            return
+        with anyio.move_on_after(_SAFETY_POLL):
+            await self._changed.wait()
+        self._changed = anyio.Event()
+
+    async def _pump(self) -> None:
+        try:
+            async for _ in watchfiles.awatch(
+                self._path,
+                watch_filter=None,
+                recursive=False,
+                step=5,
+                debounce=100,
+                stop_event=self._stop,
+                ignore_permission_denied=True,
+            ):
+                self._changed.set()
+        except (OSError, RuntimeError):
+            self._interval = _SAFETY_POLL / 4  # cannot watch it: poll instead
+            self._changed.set()
+
+
+class RescueMarkers:
+    """The node markers that let ``ckptd promote`` promote a spanning step on any node.
+
+    Attributes:
+        world_size: The job's world size, as the markers say.
+        markers: The ``done`` markers to take (this node's own left out when its ranks
+            are in the ledger already).
+    """
+
+    def __init__(self, world_size: int, markers: list[NodeMarker]) -> None:
+        self.world_size = world_size
+        self.markers = markers
+
+    def files(self) -> dict[int, tuple[p.FileEntry, ...]]:
+        """Every rank the markers cover, with its files."""
+        return {r: tuple(es) for m in self.markers for r, es in m.ranks().items()}
+
+
+async def rescue_markers(
+    daemon: Coordinating, root: RootConfig, step: int, attempt: str, save: SaveRecord | None
+) -> RescueMarkers | None:
+    """For ``ckptd promote``: the markers of ``attempt`` in ``tmp_step_N``, if it spans nodes.
+
+    Returns:
+        None for a step with no node markers (promoted as a single node's).
+
+    Raises:
+        RequestError: (``unverifiable``) the markers do not cover every rank, or a node
+            reported a failure; the message says what is missing.
+    """
+    found = await daemon.lanes.run(root.path, _markers.read_markers, root, step, {}, abandon=True)
+    assert isinstance(found, list)
+    ours = [m for m in found if isinstance(m, NodeMarker) and m.attempt == attempt]
+    if not ours:
+        return None
+    world_size = ours[0].world_size
+    failed = [m for m in ours if m.state == "failed"]
+    if failed:
+        said = "; ".join(f"node {m.node}: {m.reason}" for m in failed)
+        raise RequestError(p.ErrorCode.UNVERIFIABLE, f"step {step} failed on a node: {said}")
+    local = set() if save is None else set(save.local_ranks())
+    done = [m for m in ours if m.state == "done" and not (local and m.node == daemon.config.node)]
+    covered = local | {r for m in done for r in m.ranks()}
+    missing = sorted(set(range(world_size)) - covered)
+    if missing:
+        writing = sorted(m.node for m in ours if m.state == "writing")
+        raise RequestError(
+            p.ErrorCode.UNVERIFIABLE,
+            f"step {step} spans nodes and ranks {ranges(missing)} have no node marker of "
+            f"attempt {attempt}"
+            + (f" (still writing: {', '.join(writing)})" if writing else "")
+            + "; their writes may not have landed",
+        )
+    return RescueMarkers(world_size, done)
