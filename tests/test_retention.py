@@ -404,7 +404,9 @@ class TestNotOurs:
 class TestSharedRoot:
     """On a root shared between nodes, only the leader (rank 0's daemon) prunes."""
 
-    def test_only_the_leader_prunes(self, cluster: Callable[..., Job], tmp_path: Path) -> None:
+    def test_only_the_leader_prunes(
+        self, cluster: Callable[..., Job], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
         root = tmp_path / "ckpt"
         root.mkdir()
         config = configure(tmp_path, root, "keep_last = 1")
@@ -421,6 +423,13 @@ class TestSharedRoot:
         with connect(follower) as client:  # knows no pin: it would retire step 1
             report = ok(client.request("retention", root=str(root), apply=True))
         assert report["info"]["prunes"] is False and report["retired"] == []
+        assert steps_on_disk(root) == [1, 2]
+        capsys.readouterr()
+        socket = str(follower.socket_path)
+        assert main(["gc", str(root), "--policy", "--yes", "--socket", socket]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert out[0] == f"{root}: policy keep_last=1 (not pruned here)"
+        assert out[1].startswith("would retire (by the leader's daemon): step 1  (keep_last=1: ")
         assert steps_on_disk(root) == [1, 2]
         with connect(leader) as client:
             report = ok(client.request("retention", root=str(root), apply=True))

@@ -124,7 +124,12 @@ def policy_report(args: argparse.Namespace, call: Call, refused: Callable[..., i
     going = [s for s in reply["steps"] if not s.get("kept")]
     done = set(reply.get("retired", []))
     for step in going:
-        verb = "retired" if step["step"] in done else "would retire (pass --yes)"
+        if step["step"] in done:
+            verb = "retired"
+        elif not info.get("prunes", True):
+            verb = "would retire (by the leader's daemon)"
+        else:
+            verb = "would retire (pass --yes)"
         print(f"{verb}: step {step['step']}  ({step.get('retire')})")
     for step in sorted(done - {s["step"] for s in going}):
         print(f"retired: step {step}")
