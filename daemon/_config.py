@@ -6,11 +6,12 @@ import os
 import re
 import socket as _socket
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from orchestrator.protocol import default_socket_path
 
+from ._config_types import check_types
 from ._errors import ConfigError
 from .retention.config import RetentionConfig, parse_retention
 
@@ -155,6 +156,12 @@ class Config:
     node_timeout: float = 600.0
     """Seconds the leader of a save that spans nodes waits, once its own ranks are done,
     for the other nodes' markers before it fails the save (naming who is missing)."""
+    metrics_listen: str = ""
+    """``HOST:PORT`` to serve Prometheus metrics on over HTTP (``:9464``: every address;
+    ``[::1]:9464``: IPv6); empty: no HTTP listener."""
+    metrics_textfile: str = ""
+    """Path of a node_exporter textfile (``*.prom``) the metrics are written to, by an
+    atomic rename; empty: none."""
 
     def __post_init__(self) -> None:
         if not self.roots:
@@ -209,6 +216,7 @@ class Config:
                 f"socket path {self.socket!r} is empty or longer than the 107 bytes AF_UNIX "
                 "allows; choose a shorter path"
             )
+        _check_metrics(self.metrics_listen, self.metrics_textfile)
 
     def root_for(self, path: str) -> RootConfig | None:
         """The configured root a request names, by its configured or its resolved path."""
@@ -230,6 +238,7 @@ def load_config(
     allow_gids: list[int] | None = None,
     node: str | None = None,
     env: dict[str, str] | None = None,
+    metrics_listen: str | None = None,
 ) -> Config:
     """Merge defaults, the TOML file, the environment and flags (later wins).
 
@@ -264,10 +273,13 @@ def load_config(
         "fs_stall_after",
         "node",
         "node_timeout",
+        "metrics_listen",
+        "metrics_textfile",
     }
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"unknown keys in {config_file}: {unknown}; known: {sorted(known)}")
+    check_types(Config, data, config_file or "the configuration")
 
     root_tables: list[dict[str, Any]] = list(data.get("roots", []))
     root_tables += [{"path": r} for r in roots or []]
@@ -296,11 +308,45 @@ def load_config(
     }
     if state_dir is not None:
         flags["state_dir"] = os.path.abspath(state_dir)
+    flags["metrics_listen"] = metrics_listen
     kwargs.update({k: v for k, v in flags.items() if v is not None})
     try:
         return Config(roots=built, **kwargs)
     except TypeError as exc:
         raise ConfigError(f"bad value in {config_file}: {exc}") from exc
+
+
+def _check_metrics(listen: str, textfile: str) -> None:
+    """Validate ``metrics_listen`` and ``metrics_textfile``.
+
+    Raises:
+        ConfigError: naming the field and the form it takes.
+    """
+    if listen:
+        parse_listen(listen)
+    if textfile and (not os.path.isabs(textfile) or not textfile.endswith(".prom")):
+        raise ConfigError(
+            f"metrics_textfile {textfile!r} must be an absolute path ending in .prom (the "
+            "name node_exporter's textfile collector reads), e.g. "
+            "/var/lib/node_exporter/textfile/ckptd.prom"
+        )
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``:PORT`` for every address, ``[V6]:PORT``) as ``(host, port)``.
+
+    Raises:
+        ConfigError: ``text`` is not of that form.
+    """
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535 or "[" in host:
+        raise ConfigError(
+            f"metrics_listen {text!r} must be HOST:PORT, e.g. 127.0.0.1:9464, :9464 (every "
+            "address) or [::1]:9464"
+        )
+    return host or "0.0.0.0", int(port)
 
 
 def _root(table: dict[str, Any], source: str | None) -> RootConfig:
@@ -309,7 +355,14 @@ def _root(table: dict[str, Any], source: str | None) -> RootConfig:
     path = os.path.abspath(os.path.expanduser(str(table["path"])))
     if not os.path.isdir(path):
         raise ConfigError(f"root {path} is not an existing directory; create it first")
+    check_types(RootConfig, table, f"[[roots]] {table['path']} of {source}")
     extra = {k: v for k, v in table.items() if k != "path"}
+    options = {f.name for f in fields(RootConfig)} - {"path", "real", "named"}
+    if set(extra) - options:
+        raise ConfigError(
+            f"unknown keys in [[roots]] {path} of {source}: {sorted(set(extra) - options)}; "
+            f"known: {sorted(options | {'path'})}"
+        )
     if "retention" in extra:  # the [roots.retention] sub-table
         extra["retention"] = parse_retention(
             extra["retention"], path, str(extra.get("pointer", "latest"))

@@ -28,7 +28,7 @@ import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from structlog.typing import EventDict
 
-__all__ = ["STDOUT_BUFFER", "Events", "configure_logging", "flush_logging"]
+__all__ = ["STDOUT_BUFFER", "Events", "configure_logging", "flush_logging", "set_log_level"]
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
 _LEVELS["error"] = logging.ERROR
@@ -184,6 +184,19 @@ def configure_logging(level: str = "info", stream: TextIO | None = None) -> None
     )
 
 
+def set_log_level(level: str) -> bool:
+    """Change the lowest level written to stdout; loggers made from now on use it.
+
+    Returns:
+        Whether it changed anything: False when :func:`configure_logging` was never
+        called (events then go wherever the embedding program sent them).
+    """
+    if _writer is None:
+        return False
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]))
+    return True
+
+
 def flush_logging(timeout: float = 5.0) -> bool:
     """Wait up to ``timeout`` seconds for queued event lines to reach stdout.
 
@@ -207,10 +220,15 @@ class Events:
         self._log = structlog.get_logger("ckptd")
         self._buffer = buffer
         self._subscribers: dict[MemoryObjectSendStream[dict[str, Any]], Callable[[], None]] = {}
+        self.observer: Callable[[str, dict[str, Any]], None] | None = None
+        """Called with each event's name and fields as it is emitted, whatever the log
+        level (the metrics count events); None: nothing is called."""
 
     def emit(self, name: str, level: str = "info", **fields: Any) -> dict[str, Any]:
         """Log event ``name`` with ``fields`` and publish it; returns the event object."""
         timestamp = _timestamp()
+        if self.observer is not None:
+            self.observer(name, fields)
         getattr(self._log, level)(name, timestamp=timestamp, **fields)
         event = {"event": name, "timestamp": timestamp, "level": level, **fields}
         dropped: list[Callable[[], None]] = []
@@ -226,6 +244,10 @@ class Events:
         for on_drop in dropped:
             on_drop()
         return event
+
+    def relog(self) -> None:
+        """Pick up a logging configuration changed since (see :func:`set_log_level`)."""
+        self._log = structlog.get_logger("ckptd")
 
     def subscribe(
         self, on_drop: Callable[[], None] = lambda: None

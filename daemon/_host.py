@@ -35,6 +35,8 @@ class _Retains(Protocol):
 
     def replay(self, record: JournalRecord) -> bool: ...
 
+    def reconfigured(self) -> None: ...
+
 
 class Host(Protocol):
     """The state and actions every part of the daemon shares."""

@@ -14,6 +14,7 @@ import errno
 import fcntl
 import os
 import struct
+import time
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -274,6 +275,9 @@ class Journal:
         behind a root's filesystem calls."""
         self.commits = 0
         """Batches written (for observing group commit)."""
+        self.on_flush: Callable[[float], None] | None = None
+        """Called on the event loop with the seconds each batch's write and fsync took
+        (the metrics' journal flush latency); None: nothing is called."""
 
     @property
     def size(self) -> int:
@@ -359,11 +363,14 @@ class Journal:
             if not batch.data:
                 continue
             with anyio.CancelScope(shield=True):
+                started = time.perf_counter()
                 try:
                     await self.lane.run(self._write, b"".join(batch.data))
                 except OSError as exc:
                     batch.error = exc
                 batch.done.set()
+                if self.on_flush is not None:
+                    self.on_flush(time.perf_counter() - started)
                 if snapshot is not None and self._size > max(compact_at, 2 * floor):
                     # Between batches: nothing else writes the file now. Changes already
                     # in the next batch may also be in the snapshot; replay is idempotent.

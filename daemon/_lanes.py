@@ -218,6 +218,7 @@ class Lanes:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._lanes = {root: Lane(root, threads, clock=clock) for root in roots}
+        self._threads = threads
         self._journal = journal
         self._stall_after = stall_after
         self._events = events
@@ -231,6 +232,12 @@ class Lanes:
     def __getitem__(self, root: str) -> Lane:
         """The lane of the configured root ``root``."""
         return self._lanes[root]
+
+    def add(self, root: str) -> None:
+        """Give ``root`` a lane of its own (a root a reload added); a known root keeps its."""
+        if root not in self._lanes:
+            lane = self._lanes[root] = Lane(root, self._threads, clock=self._clock)
+            lane.on_change = self._wake
 
     async def run(self, root: str, fn: Callable[[*Ts], T], *args: *Ts, abandon: bool = False) -> T:
         """``fn(*args)`` in the lane of ``root``; see :meth:`Lane.run`."""

@@ -12,7 +12,6 @@ done. A save that fails never leaves ``FAILED``.
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 from orchestrator.protocol import ErrorCode, FileEntry, RankState, SaveState
 
 from . import _replay
+from ._deadlines import Deadlines
 from ._errors import RequestError
 from ._journal import (
     JBegin,
@@ -65,7 +65,7 @@ _CLOSED = frozenset({SaveState.VERIFYING, SaveState.PROMOTING})
 _PROMOTED_OWN = frozenset({"root", "step", "path", "duration_s", "attempt"})
 
 
-class Ledger(SpanningLedger):
+class Ledger(Deadlines, SpanningLedger):
     """Tracks every save the daemon knows and decides when one may be promoted.
 
     Args:
@@ -116,25 +116,6 @@ class Ledger(SpanningLedger):
     def unsettled(self) -> int:
         """Saves neither promoted nor failed (what bounds the daemon's memory)."""
         return self._unsettled
-
-    def next_deadline(self) -> float | None:
-        """The earliest instant at which :meth:`tick` has something to do."""
-        while self._deadlines and not self._live(*self._deadlines[0]):
-            heapq.heappop(self._deadlines)
-        return self._deadlines[0][0] if self._deadlines else None
-
-    def _arm(self, when: float, key: SaveKey) -> None:
-        """Remember that ``key`` has a deadline at ``when`` (entries go stale lazily)."""
-        heapq.heappush(self._deadlines, (when, key))
-
-    def _live(self, when: float, key: SaveKey) -> bool:
-        """Whether a heap entry is still one of ``key``'s current deadlines."""
-        save = self._saves.get(key)
-        if save is None or save.state is not SaveState.OPEN:
-            return False
-        return when in (save.deadline, save.gather_deadline) or any(
-            r.lease_deadline == when for r in save.ranks.values()
-        )
 
     # -- inputs from ranks -------------------------------------------------------------
 
@@ -362,50 +343,6 @@ class Ledger(SpanningLedger):
                 )
         return effects
 
-    def tick(self, now: float) -> list[Effect]:
-        """Fail every save whose lease or deadline has passed at ``now``."""
-        due: set[SaveKey] = set()
-        while (when := self.next_deadline()) is not None and when <= now:
-            due.add(heapq.heappop(self._deadlines)[1])
-        effects: list[Effect] = []
-        if due:  # in the order the saves began, as a full scan would meet them
-            for save in [s for s in self._saves.values() if s.key in due]:
-                effects += self._expire(save, now)
-        return effects
-
-    def _expire(self, save: SaveRecord, now: float) -> list[Effect]:
-        """Fail ``save`` if a lease or its deadline has passed at ``now``."""
-        if save.state is not SaveState.OPEN:
-            return []
-        for rank, record in sorted(save.ranks.items()):
-            if record.lease_deadline is not None and record.lease_deadline <= now:
-                reason = (
-                    f"rank {rank} disconnected and did not reconnect within its "
-                    f"{self._lease:g}s lease"
-                )
-                return self._fail_rank(save, rank, record, reason, now)
-        if save.deadline is not None and save.deadline <= now:
-            reason = (
-                f"timed out after {now - save.first_begin:.1f}s; "
-                f"ranks not done: {ranges(save.missing_ranks())}"
-            )
-            return self._fail_save(save, reason, now)
-        return self._gather_expired(save, now)
-
-    def _expired_first(self, save: SaveRecord, now: float) -> None:
-        """A late input must not revive a save whose time ran out before the next tick.
-
-        Raises:
-            RequestError: ``step_failed``, carrying the expiry's effects.
-        """
-        effects = self._expire(save, now)
-        if effects:
-            raise RequestError(
-                ErrorCode.STEP_FAILED,
-                f"step {save.key.step} failed: {save.reason}",
-                effects=effects,
-            )
-
     # -- inputs from the promoter ------------------------------------------------------
 
     def verified(self, key: SaveKey) -> list[Effect]:
@@ -548,24 +485,6 @@ class Ledger(SpanningLedger):
         save, record = self._rank(key, rank)
         if save.state not in _TERMINAL:
             self._fail_rank(save, rank, record, reason, now)
-
-    def rearm(self, now: float) -> list[Effect]:
-        """After a restart: every rank still writing gets a lease from ``now``."""
-        effects: list[Effect] = []
-        for save in self._saves.values():
-            if save.state is not SaveState.OPEN:
-                continue
-            for rank, record in sorted(save.ranks.items()):
-                if record.state is RankState.WRITING and record.conn is None:
-                    record.lease_deadline = now + self._lease
-                    self._arm(record.lease_deadline, save.key)
-                    effects.append(
-                        Emit(
-                            "save.rank_disconnected",
-                            {**_ids(save.key, rank), "lease_s": self._lease},
-                        )
-                    )
-        return effects
 
     def snapshot(self) -> list[JournalRecord]:
         """Records that rebuild the current state (for compacting the journal)."""

@@ -9,10 +9,12 @@ promotions in flight finish. A second SIGINT exits at once.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import os
 import signal
 import socket
 import stat
+import sys
 from collections.abc import Awaitable, Callable
 
 import anyio
@@ -22,9 +24,11 @@ from . import _systemd
 from ._config import Config
 from ._errors import ConfigError
 from ._events import flush_logging
+from ._exporter import Exporter
 from ._journal import Journal
 from ._promoter import Storage
 from ._recovery import recover
+from ._reloader import Reloader
 from ._server import VERSION, Daemon
 
 __all__ = ["serve"]
@@ -36,6 +40,7 @@ async def serve(
     storage: Storage | None = None,
     shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
     handle_signals: bool = True,
+    reload_config: Callable[[], Config] | None = None,
     task_status: TaskStatus[Daemon] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run a daemon until SIGTERM/SIGINT (or ``shutdown_trigger`` returns).
@@ -43,7 +48,9 @@ async def serve(
     Listens on the socket systemd passed in (``LISTEN_FDS``), else on ``config.socket``.
     Before accepting, rebuilds its state from the journal in ``config.state_dir`` and
     finishes whatever a previous run left half done. On stop: stops accepting, closes
-    connections, lets in-flight promotions finish.
+    connections, lets in-flight promotions finish. SIGHUP reloads the configuration with
+    ``reload_config`` (:mod:`daemon._reloader`); SIGUSR1 writes every thread's stack to
+    stderr. Metrics are kept and exported when ``config`` asks for them.
 
     Raises:
         ConfigError: the socket or the journal cannot be used (e.g. another daemon owns
@@ -55,25 +62,35 @@ async def serve(
     listener = await SocketListener.from_socket(sock)
     journal = Journal(os.path.join(config.state_dir, "journal"))
     stop = anyio.Event()
+    exporter: Exporter | None = None
     try:
         try:
             replay = await journal.lane.run(journal.open)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot use the journal {journal.path}: {exc}") from exc
         daemon = Daemon(config, storage=storage, journal=journal)
+        if Exporter.wanted(config):
+            exporter = Exporter(config, daemon, daemon.events, version=VERSION)
+            exporter.start()
+            journal.on_flush = exporter.metrics.flushed
+        if handle_signals:
+            dump_stacks_on(signal.SIGUSR1)
         async with anyio.create_task_group() as promotions:
             daemon.promoter.group = promotions
             daemon.attempt_dirs.group = promotions
             daemon.nodes.group = promotions
             async with anyio.create_task_group() as services:
+                reloader = Reloader(daemon, reload_config, services)
                 if handle_signals:  # before anything slow: a SIGTERM is never lost
-                    await services.start(_watch_signals, stop, daemon)
+                    await services.start(_watch_signals, stop, daemon, reloader)
                 services.start_soon(journal.run, daemon.journal_snapshot)
                 await services.start(daemon.lanes.serve)
                 await recover(daemon, replay)
                 daemon.trash.start()  # also deletes what a previous run doomed
                 await services.start(daemon.retention.serve)
                 services.start_soon(daemon.timekeeper)
+                if exporter is not None:
+                    services.start_soon(exporter.write_textfile)
                 if shutdown_trigger is not None:
                     services.start_soon(_trigger, shutdown_trigger, stop)
                 watchdog = _systemd.watchdog_interval()
@@ -92,6 +109,7 @@ async def serve(
                         event_loop=_loop_name(),
                     )
                     _systemd.notify_ready("serving")
+                    reloader.ready.set()
                     task_status.started(daemon)
                     await stop.wait()
                     daemon.stopping = True
@@ -100,13 +118,21 @@ async def serve(
                     connections.cancel_scope.cancel()
                 await listener.aclose()
                 # Promotions in flight are shielded: let them finish and journal their
-                # outcome before the journal writer stops.
+                # outcome before the journal writer stops; so are the set-asides of the
+                # attempts they failed, which journal where the files went.
+                daemon.nodes.close()  # watches stop; markers and failures in flight finish
                 await daemon.promoter.idle()
+                await daemon.nodes.idle()
+                await daemon.attempt_dirs.idle()
                 await daemon.retention.stop()  # while the journal still writes
                 services.cancel_scope.cancel()
         daemon.trash.close()
         daemon.events.emit("daemon.stopped")
     finally:
+        if exporter is not None:
+            exporter.close()
+        if handle_signals:
+            faulthandler.unregister(signal.SIGUSR1)
         journal.close()
         await listener.aclose()
         if identity is not None:
@@ -125,12 +151,20 @@ async def _trigger(trigger: Callable[[], Awaitable[object]], stop: anyio.Event) 
 
 
 async def _watch_signals(
-    stop: anyio.Event, daemon: Daemon, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    stop: anyio.Event,
+    daemon: Daemon,
+    reloader: Reloader,
+    *,
+    task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         task_status.started()
         async for signum in signals:
-            if not stop.is_set():
+            if signum == signal.SIGHUP:
+                daemon.events.emit("daemon.signal", signal="SIGHUP")
+                if not stop.is_set():
+                    reloader.request()
+            elif not stop.is_set():
                 daemon.events.emit("daemon.signal", signal=signal.Signals(signum).name)
                 stop.set()
             elif signum == signal.SIGINT:
@@ -166,6 +200,15 @@ async def _watchdog(interval: float, daemon: Daemon, journal: Journal) -> None:
                 reason="a journal write has not returned within the watchdog interval",
             )
         await anyio.sleep(interval / 2)
+
+
+def dump_stacks_on(signum: int) -> None:
+    """Write every thread's Python stack to stderr when ``signum`` arrives.
+
+    faulthandler writes from its C signal handler, so the dump comes even while the event
+    loop is blocked (the case it is for); the daemon then goes on as before.
+    """
+    faulthandler.register(signum, file=sys.stderr, all_threads=True, chain=False)
 
 
 def _bind(path: str, mode: int) -> socket.socket:

@@ -19,13 +19,11 @@ Every blocking call runs in the root's lane, so a hung mount delays only its roo
 from __future__ import annotations
 
 import errno
-import time
 from collections.abc import Awaitable, Callable, Collection, Coroutine
 from functools import partial
 from typing import Any, Final
 
 import anyio
-import watchfiles
 from anyio.abc import TaskGroup
 
 from orchestrator import protocol as p
@@ -34,11 +32,13 @@ from . import _attempts, _fence, _markers
 from ._config import RootConfig
 from ._errors import RequestError
 from ._faults import crash_point
+from ._holds import Holds
 from ._host import Coordinating
 from ._markers import NodeMarker, Seen
-from ._saves import Effect, MarkNode, NodeFailed, SaveKey, SaveRecord, Watch, ranges
+from ._saves import Effect, MarkNode, NodeFailed, SaveKey, SaveRecord, Watch
+from ._waker import Waker
 
-__all__ = ["Nodes", "RescueMarkers", "rescue_markers"]
+__all__ = ["Nodes"]
 
 _SAFETY_POLL: Final = 1.0
 """Seconds between looks even when watchfiles reports nothing (a missed event)."""
@@ -69,9 +69,11 @@ class Nodes:
         self._begun: dict[SaveKey, anyio.Event] = {}
         self._locks: dict[SaveKey, anyio.Lock] = {}
         self._done_written: set[tuple[SaveKey, str]] = set()
-        self._pending: dict[SaveKey, int] = {}
+        self._pending = Holds()
         self.promote: Callable[[SaveKey], None] | None = None
         """Starts a promotion again (a leader whose rival claim went away)."""
+        self._watches: set[anyio.CancelScope] = set()
+        self._closed = False
 
     @property
     def node(self) -> str:
@@ -161,11 +163,11 @@ class Nodes:
         if isinstance(effect, MarkNode):
             self._spawn(self._mark, effect.key)
         elif isinstance(effect, Watch):
-            if effect.key not in self._watching:
+            if effect.key not in self._watching and not self._closed:
                 self._watching.add(effect.key)
                 self._spawn(self._watch, effect.key)
         else:
-            self._pending[effect.key] = self._pending.get(effect.key, 0) + 1
+            self._pending.hold(effect.key)
             self._spawn(self._failed, effect)
 
     def _spawn(self, fn: Callable[..., Coroutine[Any, Any, None]], *args: object) -> None:
@@ -174,11 +176,16 @@ class Nodes:
         self.group.start_soon(self._guarded, fn, *args)
 
     async def _guarded(self, fn: Callable[..., Coroutine[Any, Any, None]], *args: object) -> None:
+        scope = anyio.CancelScope()
+        self._watches.add(scope)
         try:
-            await fn(*args)
+            with scope:
+                await fn(*args)
         except Exception as exc:  # a task boundary: report, never crash the daemon
             where = getattr(fn, "__name__", "nodes")
             self._daemon.events.emit("daemon.internal_error", "error", where=where, error=repr(exc))
+        finally:
+            self._watches.discard(scope)
 
     async def _mark(self, key: SaveKey) -> None:
         daemon = self._daemon
@@ -218,9 +225,19 @@ class Nodes:
     def follow_later(self, key: SaveKey) -> None:
         """Learn ``key``'s outcome from the shared directory (another node promotes it)."""
         save = self._daemon.ledger.get(key)
-        if self.group is not None and save is not None:
+        if self.group is not None and save is not None and not self._closed:
             root = self._daemon.configured(key.root)
             self._spawn(self.follow, root, save)
+
+    async def idle(self) -> None:
+        """Return once no node failure is being written out (each reports when done)."""
+        await self._pending.idle()
+
+    def close(self) -> None:
+        """Stop every watch (shutdown): a restart watches again from the journal."""
+        self._closed = True
+        for scope in self._watches:
+            scope.cancel()
 
     async def _watch(self, key: SaveKey) -> None:
         try:
@@ -317,11 +334,7 @@ class Nodes:
                     await self.write_verdict(root, key, effect.attempt, effect.reason)
                     await daemon.attempt_dirs.set_aside(key, effect.attempt)
         finally:
-            left = self._pending[key] - 1
-            if left:
-                self._pending[key] = left
-            else:
-                del self._pending[key]
+            self._pending.release(key)
             daemon.apply(effect.then)
 
     async def write_verdict(
@@ -385,109 +398,8 @@ class Nodes:
         except RequestError:
             pass  # reported as journal.failed; retried on the next look or after a restart
 
-    def _waker(self, root: RootConfig, path: str) -> _Waker:
+    def _waker(self, root: RootConfig, path: str) -> Waker:
         mode = root.watch
         if mode == "auto":
             mode = "inotify" if root.path in self._local else "poll"
-        return _Waker(path, root.poll_interval if mode == "poll" else None, self.group)
-
-
-class _Waker:
-    """Wakes a watcher when ``path`` changes (watchfiles), or every ``interval`` seconds."""
-
-    def __init__(self, path: str, interval: float | None, group: TaskGroup | None) -> None:
-        self._path = path
-        self._interval = interval
-        self._group = group
-        self._changed = anyio.Event()
-        self._stop = anyio.Event()
-        self._started = time.monotonic()
-
-    async def __aenter__(self) -> Callable[[], Awaitable[None]]:
-        if self._interval is None and self._group is not None:
-            self._group.start_soon(self._pump)
-        return self.wait
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._stop.set()
-
-    async def wait(self) -> None:
-        """Return at the next change, or after the interval."""
-        if self._interval is not None:
-            await anyio.sleep(self._interval)
-            return
-        with anyio.move_on_after(_SAFETY_POLL):
-            await self._changed.wait()
-        self._changed = anyio.Event()
-
-    async def _pump(self) -> None:
-        try:
-            async for _ in watchfiles.awatch(
-                self._path,
-                watch_filter=None,
-                recursive=False,
-                step=5,
-                debounce=100,
-                stop_event=self._stop,
-                ignore_permission_denied=True,
-            ):
-                self._changed.set()
-        except (OSError, RuntimeError):
-            self._interval = _SAFETY_POLL / 4  # cannot watch it: poll instead
-            self._changed.set()
-
-
-class RescueMarkers:
-    """The node markers that let ``ckptd promote`` promote a spanning step on any node.
-
-    Attributes:
-        world_size: The job's world size, as the markers say.
-        markers: The ``done`` markers to take (this node's own left out when its ranks
-            are in the ledger already).
-    """
-
-    def __init__(self, world_size: int, markers: list[NodeMarker]) -> None:
-        self.world_size = world_size
-        self.markers = markers
-
-    def files(self) -> dict[int, tuple[p.FileEntry, ...]]:
-        """Every rank the markers cover, with its files."""
-        return {r: tuple(es) for m in self.markers for r, es in m.ranks().items()}
-
-
-async def rescue_markers(
-    daemon: Coordinating, root: RootConfig, step: int, attempt: str, save: SaveRecord | None
-) -> RescueMarkers | None:
-    """For ``ckptd promote``: the markers of ``attempt`` in ``tmp_step_N``, if it spans nodes.
-
-    Returns:
-        None for a step with no node markers (promoted as a single node's).
-
-    Raises:
-        RequestError: (``unverifiable``) the markers do not cover every rank, or a node
-            reported a failure; the message says what is missing.
-    """
-    found = await daemon.lanes.run(root.path, _markers.read_markers, root, step, {}, abandon=True)
-    assert isinstance(found, list)
-    ours = [m for m in found if isinstance(m, NodeMarker) and m.attempt == attempt]
-    if not ours:
-        return None
-    world_size = ours[0].world_size
-    failed = [m for m in ours if m.state == "failed"]
-    if failed:
-        said = "; ".join(f"node {m.node}: {m.reason}" for m in failed)
-        raise RequestError(p.ErrorCode.UNVERIFIABLE, f"step {step} failed on a node: {said}")
-    local = set() if save is None else set(save.local_ranks())
-    done = [m for m in ours if m.state == "done" and not (local and m.node == daemon.config.node)]
-    covered = local | {r for m in done for r in m.ranks()}
-    missing = sorted(set(range(world_size)) - covered)
-    if missing:
-        writing = sorted(m.node for m in ours if m.state == "writing")
-        raise RequestError(
-            p.ErrorCode.UNVERIFIABLE,
-            f"step {step} spans nodes and ranks {ranges(missing)} have no node marker of "
-            f"attempt {attempt}"
-            + (f" (still writing: {', '.join(writing)})" if writing else "")
-            + "; their writes may not have landed",
-        )
-    return RescueMarkers(world_size, done)
+        return Waker(path, root.poll_interval if mode == "poll" else None, self.group)

@@ -23,6 +23,7 @@ from orchestrator import protocol as p
 from . import _attempts
 from ._config import RootConfig
 from ._errors import RequestError
+from ._holds import Holds
 from ._host import Host
 from ._ledger import SaveKey, SaveRecord, SetAside
 
@@ -50,7 +51,7 @@ class AttemptDirs:
         """Where set-asides run; set by ``serve`` before any request is handled."""
         self._ready: dict[tuple[SaveKey, str], anyio.Event] = {}
         self._failed: dict[tuple[SaveKey, str], str] = {}
-        self._pending: dict[SaveKey, int] = {}  # set-asides under way, per save
+        self._pending = Holds()  # set-asides under way, per save
 
     def reporting(self, key: SaveKey) -> bool:
         """Whether ``key``'s failure is still being set aside, so not yet reported."""
@@ -119,8 +120,12 @@ class AttemptDirs:
         if self.group is None:  # not serving yet (recovery sets aside on its own)
             self._daemon.apply(effect.then)
             return
-        self._pending[effect.key] = self._pending.get(effect.key, 0) + 1
+        self._pending.hold(effect.key)
         self.group.start_soon(self._set_aside, effect)
+
+    async def idle(self) -> None:
+        """Return once no set-aside is under way (each journals where it moved the files)."""
+        await self._pending.idle()
 
     async def _set_aside(self, effect: SetAside) -> None:
         daemon, key = self._daemon, effect.key
@@ -128,11 +133,7 @@ class AttemptDirs:
             with anyio.CancelScope(shield=True):
                 await self.set_aside(key, effect.attempt)
         finally:
-            left = self._pending[key] - 1
-            if left:
-                self._pending[key] = left
-            else:
-                del self._pending[key]
+            self._pending.release(key)
             daemon.apply(effect.then)
 
     async def set_aside(self, key: SaveKey, attempt: str) -> str | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from functools import partial
 from typing import Final
 
@@ -16,7 +17,7 @@ from ._journal import Replay
 from ._layout import write_layout
 from ._ledger import SaveKey
 
-__all__ = ["recover"]
+__all__ = ["recover", "scan_roots"]
 
 _SCAN_WAIT: Final = 1.0
 """Seconds start-up waits for the roots' orphan scans (milliseconds on a healthy root)."""
@@ -54,10 +55,7 @@ async def recover(daemon: Recovering, replay: Replay) -> None:
     # Each root is scanned in its own lane. One whose scan has not returned within
     # _SCAN_WAIT (a hung filesystem) is scanned on in the background and reports its
     # orphans when it answers; the daemon does not wait for it to serve the others.
-    found: list[int] = []
-    set_aside: list[int] = []
-    scans = {r.path: partial(_scan_root, daemon, r, found, set_aside) for r in daemon.config.roots}
-    unscanned = await daemon.lanes.settle(scans, _SCAN_WAIT)
+    found, set_aside, unscanned = await scan_roots(daemon, daemon.config.roots)
     daemon.events.emit(
         "daemon.recovered",
         records=len(replay.records),
@@ -71,6 +69,22 @@ async def recover(daemon: Recovering, replay: Replay) -> None:
         orphans=len(found),
         unscanned=unscanned,
     )
+
+
+async def scan_roots(
+    daemon: Recovering, roots: Iterable[RootConfig]
+) -> tuple[list[int], list[int], list[str]]:
+    """Scan each root in its own lane (:func:`_scan_root`), waiting for each a second at most.
+
+    Returns:
+        The orphaned steps found, the failed steps set aside, and the roots whose scan
+        had not returned in time (it goes on in the background).
+    """
+    found: list[int] = []
+    set_aside: list[int] = []
+    scans = {r.path: partial(_scan_root, daemon, r, found, set_aside) for r in roots}
+    unscanned = await daemon.lanes.settle(scans, _SCAN_WAIT)
+    return found, set_aside, unscanned
 
 
 async def _scan_root(

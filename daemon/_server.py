@@ -30,15 +30,18 @@ from ._config import Config, RootConfig
 from ._connection import Connection
 from ._errors import RequestError, VerificationError
 from ._events import Events
+from ._health import HealthCheck
 from ._journal import Journal, JournalRecord
 from ._lanes import Lanes
 from ._ledger import Effect, Emit, Ledger, SaveKey, SaveRecord, SetAside, Settled, Verify
 from ._mounts import is_local, mount_table
-from ._nodes import Nodes, rescue_markers
+from ._node_rescue import rescue_markers
+from ._nodes import Nodes
 from ._owners import AttemptDirs
 from ._paths import check_relative, check_tmp_dir
 from ._promoter import LocalStorage, Storage, latest_promoted
 from ._promotion import Promoter
+from ._reload import reloaded_root_check
 from ._saves import MarkNode, NodeFailed, Watch
 from ._trash import TrashRemover
 from ._verify import scan_save
@@ -110,6 +113,13 @@ class Daemon:
         self.retention = Retention(self, may_prune=self.may_prune)
         """Metrics, pins, holds, the ``best`` pointer and retiring steps; run by ``serve``."""
         self.stopping = False
+        self.retiring: dict[str, RootConfig] = {}
+        """Roots a reload removed whose saves in flight go on to their end; new saves
+        there are refused. Maintained by ``daemon._reloader``."""
+        self.journal_error: str | None = None
+        """Why the last journal write failed; None once one succeeds."""
+        self.health = HealthCheck(self)
+        """Answers ``health`` (probes)."""
         mounts = mount_table()
         self._local = {r.path for r in config.roots if is_local(r.real or r.path, mounts)}
         """Roots on a local filesystem: their per-save checks run on the event loop."""
@@ -169,6 +179,7 @@ class Daemon:
         except OSError as exc:
             path = self.journal.path
             self.events.emit("journal.failed", "error", path=path, error=_why(exc))
+            self.journal_error = _why(exc)
             raise RequestError(
                 p.ErrorCode.UNAVAILABLE,
                 f"the change could not be made durable ({_why(exc)}); retry",
@@ -176,6 +187,7 @@ class Daemon:
         else:
             del self._queue[: len(batch)]
             self._durable += len(batch)
+            self.journal_error = None
         finally:
             self._flushing = None
             done.set()
@@ -282,6 +294,8 @@ class Daemon:
         match request:
             case p.Ping():
                 return p.PingReply(id=request.id, version=VERSION)
+            case p.Health():
+                return await self.health.reply(request.id, VERSION)
             case p.Begin():
                 return await self._begin(conn, request)
             case p.Done(root=root_path, step=step, rank=rank, files=files):
@@ -424,6 +438,7 @@ class Daemon:
             check_tmp_dir(root, key.step)  # two lstats on a local disk: not worth a thread
         else:
             await self.lanes.run(root.path, check_tmp_dir, root, key.step, abandon=True)
+        reloaded_root_check(self.config, self.retiring, root)  # after the last await
 
     async def settled(self, request: p.Wait, root: RootConfig) -> p.WaitReply:
         """The reply to ``wait``, once the step settles or ``request.timeout`` passes."""
@@ -544,7 +559,7 @@ class Daemon:
         Raises:
             RequestError: ``path`` is not absolute and normalised, or not configured.
         """
-        root = self.config.root_for(path)
+        root = self.config.root_for(path) or _retiring_root(self.retiring, path)
         if root is None:
             if not os.path.isabs(path) or os.path.normpath(path) != path:
                 raise RequestError(
@@ -587,6 +602,13 @@ class Daemon:
             role=("leader" if save.leader else "node") if save.spans else None,
             marked=save.marked,
         )
+
+
+def _retiring_root(retiring: dict[str, RootConfig], path: str) -> RootConfig | None:
+    for root in retiring.values():
+        if path in (root.path, root.real) or (root.named and path == root.named):
+            return root
+    return None
 
 
 def _peer_credentials(stream: SocketStream) -> dict[str, int]:

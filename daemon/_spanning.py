@@ -14,8 +14,8 @@ inherits these rules.
 
 from __future__ import annotations
 
-from abc import abstractmethod
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from orchestrator.protocol import ErrorCode, FileEntry, RankState, SaveState
 
@@ -43,25 +43,23 @@ class SpanningLedger:
     _saves: dict[SaveKey, SaveRecord]
     _node_timeout: float
 
-    @abstractmethod
-    def _record(self, record: JournalRecord) -> None: ...
+    if TYPE_CHECKING:  # what the ledger provides (no stubs at runtime: no MRO shadowing)
 
-    @abstractmethod
-    def _arm(self, when: float, key: SaveKey) -> None: ...
+        def _record(self, record: JournalRecord) -> None: ...
 
-    @abstractmethod
-    def _fail_save(
-        self,
-        save: SaveRecord,
-        reason: str,
-        now: float,
-        *,
-        journal: bool = True,
-        learned: bool = False,
-    ) -> list[Effect]: ...
+        def _arm(self, when: float, key: SaveKey) -> None: ...
 
-    @abstractmethod
-    def _settle(self, save: SaveRecord, now: float) -> None: ...
+        def _fail_save(
+            self,
+            save: SaveRecord,
+            reason: str,
+            now: float,
+            *,
+            journal: bool = True,
+            learned: bool = False,
+        ) -> list[Effect]: ...
+
+        def _settle(self, save: SaveRecord, now: float) -> None: ...
 
     # -- a node's own ranks ------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 SD_LISTEN_FDS_START = 3
 """The first file descriptor passed by socket activation; the rest follow consecutively."""
@@ -183,6 +184,16 @@ def notify_ready(status: str = "") -> bool:
 def notify_stopping() -> bool:
     """Tell the service manager that shutdown has begun (``STOPPING=1``); see :func:`notify`."""
     return notify("STOPPING=1")
+
+
+def notify_reloading() -> bool:
+    """Tell the service manager a configuration reload has begun (``RELOADING=1``).
+
+    ``MONOTONIC_USEC`` goes with it, as ``Type=notify-reload`` requires; ``READY=1``
+    (:func:`notify_ready`) ends the reload.
+    """
+    usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+    return notify("RELOADING=1", f"MONOTONIC_USEC={usec}", _status("reloading configuration"))
 
 
 def notify_watchdog() -> bool:

@@ -428,10 +428,9 @@ class TrashRemover:
         self._roots = {root.path: root for root in roots}
         self._workers = workers
         self._removers: dict[str, _RootRemover] = {}
-        self._gates = {path: threading.Event() for path in self._roots}
-        for gate in self._gates.values():
-            gate.set()
-        self._pausing = dict.fromkeys(self._roots, 0)
+        self._gates: dict[str, threading.Event] = {}
+        self._pausing: dict[str, int] = {}
+        self._emit: Callable[..., None] | None = None
 
     def start(self) -> None:
         """Start removing; resumes what a previous run doomed. Call on the event loop."""
@@ -441,8 +440,9 @@ class TrashRemover:
             call = functools.partial(self._events.emit, name, level, **fields)
             anyio.from_thread.run_sync(call, token=token)
 
+        self._emit = emit
         for path, root in self._roots.items():
-            self._removers[path] = _RootRemover(root, emit, self._workers, self._gates[path])
+            self._removers[path] = _RootRemover(root, emit, self._workers, self._gate(path))
 
     @contextlib.contextmanager
     def pause(self, root: RootConfig) -> Iterator[None]:
@@ -453,10 +453,7 @@ class TrashRemover:
         metadata writes, nor its verification behind the deletion's threads.
         """
         path = root.path
-        gate = self._gates.get(path)
-        if gate is None:
-            yield
-            return
+        gate = self._gate(path)
         self._pausing[path] += 1
         gate.clear()
         try:
@@ -465,6 +462,21 @@ class TrashRemover:
             self._pausing[path] -= 1
             if not self._pausing[path]:
                 gate.set()
+
+    def add(self, root: RootConfig) -> None:
+        """Remove ``root``'s doomed entries too (a root a reload added); on the event loop."""
+        self._roots[root.path] = root
+        if self._emit is not None and root.path not in self._removers:
+            gate = self._gate(root.path)
+            self._removers[root.path] = _RootRemover(root, self._emit, self._workers, gate)
+
+    def _gate(self, path: str) -> threading.Event:
+        """The event ``path``'s remover waits on while the root promotes (set: go)."""
+        if path not in self._gates:
+            self._gates[path] = threading.Event()
+            self._gates[path].set()
+            self._pausing[path] = 0
+        return self._gates[path]
 
     def kick(self, root: RootConfig) -> None:
         """There is something new to delete in ``root``; never blocks."""

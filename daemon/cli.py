@@ -7,6 +7,7 @@ problems, daemon unreachable, request refused); 2 bad usage or configuration.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -22,11 +23,13 @@ import msgspec
 from orchestrator import protocol as p
 
 from ._attempts import TRASH
+from ._cli_ops import add_commands
 from ._config import Config, RootConfig, default_socket_path, load_config
 from ._errors import ConfigError
 from ._events import configure_logging
 from ._lifecycle import serve
 from ._promoter import latest_promoted, read_pointer
+from ._server import VERSION
 from ._verify import MANIFEST_NAME, Manifest, verify_checkpoint
 from .retention import cli as retention_cli
 
@@ -56,6 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ckptd", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"ckptd {VERSION}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, help_text: str, func: Any) -> argparse.ArgumentParser:
@@ -105,6 +109,11 @@ def _parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="this node's name in multi-node saves (default: the hostname)",
     )
+    serve_cmd.add_argument(
+        "--metrics-listen",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics over HTTP here (TOML metrics_listen; default off)",
+    )
 
     status = command("status", "show every save the daemon knows", _status)
     status.add_argument("--json", action="store_true", help="print the raw status object")
@@ -146,6 +155,7 @@ def _parser() -> argparse.ArgumentParser:
         help="show the checkpoints the retention policy would retire (retire them with --yes)",
     )
     retention_cli.add_commands(command, _call, _refused)
+    add_commands(sub, command)
     return parser
 
 
@@ -159,7 +169,8 @@ def _layout_flags(cmd: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    config = load_config(
+    load = functools.partial(
+        load_config,
         config_file=args.config,
         socket=args.socket,
         roots=args.root,
@@ -169,9 +180,12 @@ def _serve(args: argparse.Namespace) -> int:
         allow_uids=args.allow_uid,
         allow_gids=args.allow_gid,
         node=args.node,
+        metrics_listen=args.metrics_listen,
     )
+    config = load()
     configure_logging(config.log_level)
-    anyio.run(serve, config, backend_options={"use_uvloop": _uvloop_wanted(config)})
+    run = functools.partial(serve, config, reload_config=load)  # SIGHUP loads afresh
+    anyio.run(run, backend_options={"use_uvloop": _uvloop_wanted(config)})
     return 0
 
 

@@ -38,6 +38,8 @@ __all__ = [
     "FileEntry",
     "Gc",
     "GcReply",
+    "Health",
+    "HealthReply",
     "Hold",
     "MetricName",
     "Metrics",
@@ -310,6 +312,14 @@ class Gc(_Request, frozen=True, tag="gc"):
     remove: bool = False
 
 
+class Health(_Request, frozen=True, tag="health"):
+    """Whether the daemon can do its job, for probes (``ckptd health``).
+
+    Answered from the event loop after checking that the journal can be written; never
+    touches a checkpoint root, so a slow checkpoint filesystem never fails it.
+    """
+
+
 class Score(_Request, frozen=True, tag="score"):
     """Record metrics of a promoted step (an evaluation job scoring it later)."""
 
@@ -363,6 +373,7 @@ Request = (
     | Unpin
     | Hold
     | Retention
+    | Health
 )
 """Every message a client may send."""
 
@@ -395,6 +406,15 @@ class PingReply(_Reply, frozen=True, kw_only=True):
 
     version: str
     protocol: int = PROTOCOL_VERSION
+
+
+class HealthReply(_Reply, frozen=True, kw_only=True):
+    """Reply to ``health``."""
+
+    version: str
+    healthy: bool
+    problem: str | None = None
+    """Why the daemon is not healthy (None when it is)."""
 
 
 class BeginReply(_Reply, frozen=True, kw_only=True):
@@ -588,6 +608,7 @@ _OPS: Final = frozenset(
         Unpin,
         Hold,
         Retention,
+        Health,
     )
 )
 

@@ -13,7 +13,16 @@ from pathlib import Path
 import pytest
 
 from bench import __main__ as bench_main
-from bench import client_cost, disk, footprint, promotion, retention, stall, throughput
+from bench import (
+    client_cost,
+    disk,
+    footprint,
+    metrics,
+    promotion,
+    retention,
+    stall,
+    throughput,
+)
 from bench._common import BenchResult, Row
 
 
@@ -41,6 +50,11 @@ class TestInProcessBenchmarks:
         result = throughput.run(clients=[2], seconds=0.2, targets=["echo", "ckptd"])
         well_formed(result, "throughput")
         assert any(r.baseline_name == "echo" for r in result.rows)
+
+    def test_metrics(self) -> None:
+        result = metrics.run(clients=[2], seconds=0.6, rounds=1)
+        well_formed(result, "metrics")
+        assert any(r.baseline_name == "metrics off" for r in result.rows)
 
     def test_client_cost(self) -> None:
         well_formed(client_cost.run(calls=20, alloc_calls=200), "client_cost")

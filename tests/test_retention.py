@@ -437,3 +437,33 @@ class TestSharedRoot:
             ok(client.request("unpin", root=str(root), step=1))
             ok(client.request("retention", root=str(root), apply=True))
         assert steps_on_disk(root) == [2]
+
+
+class TestReload:
+    """A reload (SIGHUP) applies a changed policy at once, and a new one."""
+
+    def test_policy_shrinks_and_appears(self, start: Start, root: Path, tmp_path: Path) -> None:
+        import signal
+
+        other = tmp_path / "other"
+        other.mkdir()
+        config = configure(tmp_path, root, "keep_last = 3")
+        text = config.read_text()
+        config.write_text(f'[[roots]]\npath = "{other}"\n\n' + text)
+        daemon = start_with(start, config)
+        for step in (1, 2, 3):
+            promote(daemon, root, step)
+            promote(daemon, other, step)
+        assert steps_on_disk(root) == [1, 2, 3] and steps_on_disk(other) == [1, 2, 3]
+        config.write_text(
+            f'[[roots]]\npath = "{other}"\n[roots.retention]\nkeep_last = 2\n\n'
+            + text.replace("keep_last = 3", "keep_last = 1")
+        )
+        assert daemon.proc is not None
+        daemon.proc.send_signal(signal.SIGHUP)
+        reloaded = daemon.wait_event("config.reloaded", TIMEOUT)
+        assert sorted(reloaded["changed"]) == sorted([str(root), str(other)])
+        for step in (1, 2):
+            daemon.wait_event("checkpoint.retired", TIMEOUT, of(root, step))
+        daemon.wait_event("checkpoint.retired", TIMEOUT, of(other, 1))
+        assert steps_on_disk(root) == [3] and steps_on_disk(other) == [2, 3]

@@ -292,6 +292,26 @@ class TestRestarts:
         assert len(promoted) == 1
 
 
+class TestShutdown:
+    """SIGTERM stops a node daemon that is watching the shared directory, and it resumes."""
+
+    def test_watching_daemons_stop_and_resume(self, cluster: Callable[..., Job]) -> None:
+        job = cluster(3)
+        assert all(r["ok"] for r in job.begin_all(1).values())
+        for rank in range(4):  # the leader gathers, node 1 waits for the outcome
+            assert job.write_and_done(1, rank)["ok"]
+        job.daemons[1].wait_event("node.marked")
+        for node in (0, 1):
+            assert job.daemons[node].stop(signal.SIGTERM, timeout=20) == 0
+        for node in (0, 1):
+            job.daemons[node] = job._relaunch(node)
+        for rank in (0, 1):  # the leader's ranks reconnect after its restart
+            assert job.begin(1, rank, resent=True)["ok"]
+        for rank in (4, 5):
+            assert job.write_and_done(1, rank)["ok"]
+        assert [job.wait(n, 1)["state"] for n in range(3)] == ["promoted"] * 3
+
+
 class TestZombies:
     """Markers of an older attempt never count for a newer one."""
 

@@ -102,7 +102,7 @@ class Retention:
                 for root in self._daemon.config.roots:
                     if root.retention is not None:
                         self._kicks[root.path].set()  # a restart converges to the policy
-                        group.start_soon(self._loop, root)
+                        group.start_soon(self._loop, root.path)
                 task_status.started()
         finally:
             self._stopped.set()
@@ -112,6 +112,22 @@ class Retention:
         if self._group is not None:
             self._group.cancel_scope.cancel()
             await self._stopped.wait()
+
+    def reconfigured(self) -> None:
+        """After a configuration reload: apply every root's policy as it now is.
+
+        A root that gained a policy gets its task; every root with one runs a pass, so a
+        policy that keeps less converges at once. Never blocks.
+        """
+        for root in self._daemon.config.roots:
+            if root.retention is None:
+                continue
+            if root.path not in self._kicks:
+                self._kicks[root.path] = anyio.Event()
+                self._passing[root.path] = anyio.Lock()
+                if self._group is not None:
+                    self._group.start_soon(self._loop, root.path)
+            self._kicks[root.path].set()
 
     def kick(self, root: str) -> None:
         """Something changed in ``root``: run a pass soon. Never blocks."""
@@ -134,14 +150,19 @@ class Retention:
         """``key`` was promoted: adopt its metrics and apply the policy, in the background."""
         self.kick(root.path)
 
-    async def _loop(self, root: RootConfig) -> None:
+    async def _loop(self, path: str) -> None:
         while True:
-            event = self._kicks[root.path]
-            wake = self._wake_at.get(root.path)
+            event = self._kicks[path]
+            wake = self._wake_at.get(path)
             delay = math.inf if wake is None else max(0.0, wake - time.time())
             with anyio.move_on_after(delay):
                 await event.wait()
-            self._kicks[root.path] = anyio.Event()  # kicks from now on run another pass
+            self._kicks[path] = anyio.Event()  # kicks from now on run another pass
+            # As configured now: a reload may have changed its policy, or removed it.
+            root = self._daemon.config.root_for(path)
+            if root is None or root.retention is None:
+                self._wake_at.pop(path, None)
+                continue
             try:
                 await self.run_pass(root, apply=True)
             except OSError as exc:

@@ -35,7 +35,7 @@ CKPTD_BIN=/usr/local/bin/ckptd
 CKPTD_RUN_BASE=/run/ckptd-slurm
 CKPTD_LOG_BASE=/var/log/ckptd-slurm # events, one JSON line each; rotate or prune these
 CKPTD_CONFIG=/etc/ckptd/slurm.toml  # optional: lease, save_timeout, log_level
-CKPTD_START_TIMEOUT=30              # seconds to wait for `ckptd status` to answer
+CKPTD_START_TIMEOUT=30              # seconds to wait for `ckptd health` to succeed
 CKPTD_PROLOG_STRICT=0
 if [[ -r /etc/ckptd/slurm.env ]]; then
 	# shellcheck source=/dev/null
@@ -105,11 +105,14 @@ pid=$!
 echo "$pid" >"$dir/ckptd.pid"
 log "started ckptd (pid $pid) on $sock for ${roots[*]}; events in $logfile"
 
-# Wait, bounded, until the daemon answers on its socket.
+# Wait, bounded, until the daemon answers on its socket and can write its journal.
 deadline=$((SECONDS + CKPTD_START_TIMEOUT))
-until CKPTD_SOCKET=$sock "$CKPTD_BIN" status >/dev/null 2>&1; do
+until "$CKPTD_BIN" health --socket "$sock" --timeout 2 >/dev/null 2>&1; do
 	kill -0 "$pid" 2>/dev/null || give_up "ckptd exited during start-up; see $logfile"
-	((SECONDS < deadline)) || give_up "ckptd did not answer within ${CKPTD_START_TIMEOUT}s"
+	if ((SECONDS >= deadline)); then
+		why=$("$CKPTD_BIN" health --socket "$sock" --timeout 2 2>&1) || true
+		give_up "ckptd not healthy within ${CKPTD_START_TIMEOUT}s: $why"
+	fi
 	sleep 0.2
 done
 exit 0

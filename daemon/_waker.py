@@ -1,0 +1,63 @@
+"""Waking a watcher of a shared directory: at a change it can see, else on a timer.
+
+inotify (through watchfiles) sees only this machine's writes; on a network or FUSE
+filesystem other nodes' changes are invisible to it, so those roots are polled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Final
+
+import anyio
+import watchfiles
+from anyio.abc import TaskGroup
+
+__all__ = ["Waker"]
+
+_SAFETY_POLL: Final = 1.0
+"""Seconds between looks even when watchfiles reports nothing (a missed event)."""
+
+
+class Waker:
+    """Wakes a watcher when ``path`` changes (watchfiles), or every ``interval`` seconds."""
+
+    def __init__(self, path: str, interval: float | None, group: TaskGroup | None) -> None:
+        self._path = path
+        self._interval = interval
+        self._group = group
+        self._changed = anyio.Event()
+        self._stop = anyio.Event()
+
+    async def __aenter__(self) -> Callable[[], Awaitable[None]]:
+        if self._interval is None and self._group is not None:
+            self._group.start_soon(self._pump)
+        return self.wait
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._stop.set()
+
+    async def wait(self) -> None:
+        """Return at the next change, or after the interval."""
+        if self._interval is not None:
+            await anyio.sleep(self._interval)
+            return
+        with anyio.move_on_after(_SAFETY_POLL):
+            await self._changed.wait()
+        self._changed = anyio.Event()
+
+    async def _pump(self) -> None:
+        try:
+            async for _ in watchfiles.awatch(
+                self._path,
+                watch_filter=None,
+                recursive=False,
+                step=5,
+                debounce=100,
+                stop_event=self._stop,
+                ignore_permission_denied=True,
+            ):
+                self._changed.set()
+        except (OSError, RuntimeError):
+            self._interval = _SAFETY_POLL / 4  # cannot watch it: poll instead
+            self._changed.set()
