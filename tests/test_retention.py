@@ -467,3 +467,18 @@ class TestReload:
             daemon.wait_event("checkpoint.retired", TIMEOUT, of(root, step))
         daemon.wait_event("checkpoint.retired", TIMEOUT, of(other, 1))
         assert steps_on_disk(root) == [3] and steps_on_disk(other) == [2, 3]
+
+
+class TestCheckConfig:
+    """`ckptd check-config` shows a root's policy, and refuses a bad one with exit 2."""
+
+    def test_summary_and_refusal(
+        self, root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        good = configure(tmp_path, root, POLICY)
+        assert main(["check-config", str(good)]) == 0
+        out = capsys.readouterr().out
+        assert "    retention: keep_last=2 keep_best=1:val_loss:min, best pointer best" in out
+        bad = configure(tmp_path, root, 'keep_last = "two"')
+        assert main(["check-config", str(bad)]) == 2
+        assert "keep_last must be an integer >= 0, got 'two'" in capsys.readouterr().err
