@@ -5,7 +5,9 @@
 - :mod:`.state`: metrics, pins and holds (pure; journaled records in, records out).
 - :mod:`.disk`: the blocking filesystem work (finding checkpoints, the ``best`` pointer,
   renaming retired ones into the trash, reading ``training_info.json``).
-- :mod:`.applier`: the daemon's side: requests, and a pass after each promotion.
+- :mod:`.applier`: the daemon's side: a pass per root after each promotion.
+- :mod:`.requests`: ``score``, ``pin``, ``unpin``, ``hold`` and ``retention``.
+- :mod:`.cli`: the ``ckptd`` commands for them.
 """
 
 from __future__ import annotations

@@ -25,7 +25,6 @@ root at all (pointer, renames); on a root shared between nodes only the leader m
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -44,7 +43,7 @@ from .._journal import JournalRecord
 from .._ledger import SaveKey
 from .._promoter import read_pointer
 from .._trash import TrashRemover
-from . import disk
+from . import disk, requests
 from .policy import StepFacts, Verdict, best_step, judge, retired
 from .state import RetentionState
 
@@ -369,112 +368,17 @@ class Retention:
     async def handle(
         self, request: p.Score | p.Pin | p.Unpin | p.Hold | p.Retention
     ) -> p.Ack | p.RetentionReply:
-        """Answer ``score``, ``pin``, ``unpin``, ``hold`` or ``retention``.
+        """Answer ``score``, ``pin``, ``unpin``, ``hold`` or ``retention`` (:mod:`.requests`).
 
         Raises:
-            RequestError: the step is not there (``not_found``), is being retired
-                (``invalid_state``), a value is bad (``invalid_field``), or the change
-                could not be journaled (``unavailable``).
+            RequestError: refused; see :func:`daemon.retention.requests.answer`.
         """
-        daemon = self._daemon
-        root = daemon.configured(request.root)
-        if isinstance(request, p.Retention):
-            return await self._report(request, root)
-        key = SaveKey(root.path, request.step)
-        match request:
-            case p.Score(metrics=metrics):
-                await self._require_promoted(root, key)
-                self.state.score(key, metrics)
-            case p.Unpin():
-                self.state.pin(key, False)
-            case p.Pin():
-                self._not_retiring(key)
-                changed = self.state.pin(key, True)
-                if not await self._exists(root, key, in_flight=True):
-                    if changed:
-                        self.state.pin(key, False)
-                    raise RequestError(
-                        p.ErrorCode.NOT_FOUND, f"{root.final_dir(key.step)} does not exist"
-                    )
-            case p.Hold(ttl=ttl):
-                now = time.time()
-                if ttl > 0:
-                    self._not_retiring(key)
-                    before = self.state.held_until(key, now)
-                    self.state.hold(key, now + ttl, now)
-                    if not await self._exists(root, key, in_flight=False):
-                        self.state.hold(key, before or 0.0, now)
-                        raise RequestError(
-                            p.ErrorCode.NOT_FOUND,
-                            f"{root.final_dir(key.step)} is not a promoted checkpoint",
-                        )
-                else:
-                    self.state.hold(key, 0.0, now)
-        await daemon.commit([])
-        self.kick(root.path)
-        return p.Ack(id=request.id)
+        return await requests.answer(self, self._daemon, request)
 
-    def _not_retiring(self, key: SaveKey) -> None:
-        if key in self._retiring:
-            raise RequestError(
-                p.ErrorCode.INVALID_STATE, f"step {key.step} is being retired right now"
-            )
+    def retiring(self, key: SaveKey) -> bool:
+        """Whether ``key`` is being renamed into the trash right now."""
+        return key in self._retiring
 
-    async def _exists(self, root: RootConfig, key: SaveKey, *, in_flight: bool) -> bool:
-        save = self._daemon.ledger.get(key)
-        if (
-            in_flight
-            and save is not None
-            and save.state
-            not in (
-                p.SaveState.PROMOTED,
-                p.SaveState.FAILED,
-            )
-        ):
-            return True
-        lanes = self._daemon.lanes
-        if await lanes.run(root.path, os.path.isdir, root.final_dir(key.step), abandon=True):
-            return True
-        return in_flight and await lanes.run(
-            root.path, os.path.isdir, root.tmp_dir(key.step), abandon=True
-        )
-
-    async def _require_promoted(self, root: RootConfig, key: SaveKey) -> None:
-        if not await self._exists(root, key, in_flight=False):
-            raise RequestError(
-                p.ErrorCode.NOT_FOUND, f"{root.final_dir(key.step)} is not a promoted checkpoint"
-            )
-
-    async def _report(self, request: p.Retention, root: RootConfig) -> p.RetentionReply:
-        config = root.retention
-        if config is None:
-            info = p.RetentionInfo(policy="", prunes=False)
-            return p.RetentionReply(id=request.id, info=info, steps=[])
-        try:
-            verdicts, best, gone = await self.run_pass(root, apply=request.apply)
-        except OSError as exc:
-            raise RequestError(
-                p.ErrorCode.INVALID_STATE, f"cannot judge {root.path}: {exc.strerror or exc}"
-            ) from None
-        now = time.time()
-        steps = []
-        for v in verdicts:
-            key = SaveKey(root.path, v.step)
-            held = self.state.held_until(key, now)
-            steps.append(
-                p.RetentionStep(
-                    step=v.step,
-                    kept=list(v.kept),
-                    retire=v.retire,
-                    metrics=self.state.metrics(key),
-                    pinned=self.state.pinned(key),
-                    held_for_s=None if held is None else round(held - now, 3),
-                )
-            )
-        info = p.RetentionInfo(
-            policy=config.policy.describe(),
-            best=best,
-            best_pointer=config.best_pointer,
-            prunes=self._last_prunes.get(root.path, True),
-        )
-        return p.RetentionReply(id=request.id, info=info, steps=steps, retired=gone)
+    def prunes(self, root: RootConfig) -> bool:
+        """Whether the last pass found that this daemon prunes ``root``."""
+        return self._last_prunes.get(root.path, True)
