@@ -235,9 +235,8 @@ class Retention:
             if not f.complete:
                 continue
             key = SaveKey(root.path, f.step)
-            pending = self.state.pending(key)
             need_info = key not in self._info_tried and not self.state.has_metrics(key)
-            if not need_info and (pending is None or pending[0] != f.attempt):
+            if not self._unadopted(key, f):
                 continue
             self._info_tried.add(key)
             info: dict[str, float] = {}
@@ -248,6 +247,13 @@ class Retention:
             changed = True
         if changed:
             await self._daemon.commit([])
+
+    def _unadopted(self, key: SaveKey, found: disk.Found) -> bool:
+        """Whether promoted ``key`` has metrics still to take (its files', its ``done``s')."""
+        pending = self.state.pending(key)
+        if pending is not None and pending[0] == found.attempt:
+            return True
+        return key not in self._info_tried and not self.state.has_metrics(key)
 
     def _facts(self, root: RootConfig, found: list[disk.Found], now: float) -> list[StepFacts]:
         state = self.state
@@ -314,6 +320,10 @@ class Retention:
         config = root.retention
         assert config is not None
         daemon, lanes = self._daemon, self._daemon.lanes
+
+        def key_of(f: disk.Found) -> SaveKey:
+            return SaveKey(root.path, f.step)
+
         async with daemon.root_locks[root.path]:
             found = await self._scan(root)
             latest = await lanes.run(root.path, read_pointer, root)
@@ -327,7 +337,10 @@ class Retention:
             verdicts = judge(
                 config.policy, self._facts(root, found, now), pointers=pointers, now=now
             )
-            going = {v.step: v for v in retired(verdicts)}
+            # A step promoted since this pass took the metrics is judged by the next pass
+            # (its promotion kicked one), once it has them: not here, without them.
+            fresh = {f.step for f in found if f.complete and self._unadopted(key_of(f), f)}
+            going = {v.step: v for v in retired(verdicts) if v.step not in fresh}
             keys = {SaveKey(root.path, s) for s in going}
             if not keys:
                 return verdicts, []
