@@ -129,8 +129,10 @@ class _Writer:
             try:
                 if not self._broken:
                     self._write(data)
-            except OSError:
-                self._broken = True  # stdout is closed: nowhere left to report to
+            except (OSError, ValueError):
+                # stdout is closed (a closed stream raises ValueError): nowhere left to
+                # report to.
+                self._broken = True
             with self._cond:
                 self._writing = False
                 self._cond.notify_all()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import select
@@ -15,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 
-from daemon._events import STDOUT_BUFFER
+from daemon._events import STDOUT_BUFFER, configure_logging, flush_logging
 from tests.conftest import REPO, LineClient
 
 _FLOOD = 3 * STDOUT_BUFFER // 100  # request.rejected lines (> 100 bytes each): 3x the buffer
@@ -117,3 +119,22 @@ class TestStdoutNotRead:
         assert list(connected) == ["event", "timestamp", "level", "conn", "pid", "uid", "gid"]
         # The same bytes a subscriber gets: msgspec's compact encoding.
         assert lines[names.index("client.connected")].startswith(b'{"event":"client.connected"')
+
+
+class TestClosedStream:
+    """Events written to a stream closed under the daemon are dropped, never an exception."""
+
+    def test_a_closed_stream_stops_the_writer_quietly(self) -> None:
+        seen: list[BaseException] = []
+        previous = threading.excepthook
+        threading.excepthook = lambda args: seen.append(args.exc_value)  # type: ignore[arg-type]
+        try:
+            stream = io.StringIO()
+            configure_logging("info", stream=stream)
+            stream.close()
+            structlog.get_logger().info("test.closed", n=1)
+            flush_logging()
+        finally:
+            threading.excepthook = previous
+            configure_logging("info")
+        assert seen == []
