@@ -22,7 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from . import client_cost, disk, footprint, metrics, promotion, stall, throughput
+from . import client_cost, disk, footprint, metrics, promotion, retention, stall, throughput
 from ._chart import draw
 from ._common import REPO, BenchResult, Row, machine_info, markdown_table, print_table
 
@@ -34,6 +34,7 @@ BENCHMARKS: dict[str, Callable[[bool], BenchResult]] = {
     "client_cost": client_cost.run,
     "footprint": footprint.run,
     "metrics": metrics.run,
+    "retention": retention.run,
 }
 """Every benchmark, in the order they run, by the name ``--only`` takes."""
 

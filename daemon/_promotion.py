@@ -69,8 +69,9 @@ class Promoter:
         try:
             with anyio.CancelScope(shield=True):
                 root = self._daemon.configured(key.root)
-                async with self._daemon.root_locks[root.path]:
-                    await self._promote_locked(root, key)
+                with self._daemon.trash.pause(root):  # deletion waits for promotions
+                    async with self._daemon.root_locks[root.path]:
+                        await self._promote_locked(root, key)
         finally:
             self._running -= 1
             if not self._running:
@@ -156,6 +157,7 @@ class Promoter:
         except RuntimeError as exc:  # the ledger no longer expects it: a bug, never fatal
             daemon.events.emit("daemon.internal_error", "error", where="promoted", error=repr(exc))
         crash_point("after_promoted")
+        daemon.retention.promoted(root, key)  # a pass in the background, after this lock
 
     async def _intent(self, key: SaveKey) -> None:
         """Journal that ``key`` passed verification and is about to be renamed."""

@@ -45,6 +45,8 @@ from ._reload import reloaded_root_check
 from ._saves import MarkNode, NodeFailed, Watch
 from ._trash import TrashRemover
 from ._verify import scan_save
+from .retention.applier import Retention
+from .retention.state import checked_metrics
 
 __all__ = ["VERSION", "Daemon"]
 
@@ -108,6 +110,8 @@ class Daemon:
         """Each root's blocking filesystem calls run in that root's lane."""
         self.attempt_dirs = AttemptDirs(self, run=self._run_for)
         """Each attempt's own tmp directory: prepared before begin, set aside on failure."""
+        self.retention = Retention(self, may_prune=self.may_prune)
+        """Metrics, pins, holds, the ``best`` pointer and retiring steps; run by ``serve``."""
         self.stopping = False
         self.retiring: dict[str, RootConfig] = {}
         """Roots a reload removed whose saves in flight go on to their end; new saves
@@ -141,6 +145,7 @@ class Daemon:
                 request must not be acknowledged and may be retried.
         """
         new = [self.walled(r) for r in self.ledger.drain_records()]
+        new += self.retention.state.drain_records()
         self._queue += new
         self._queued += len(new)
         target = self._queued
@@ -191,6 +196,17 @@ class Daemon:
         """Whether the ledger holds changes not yet journaled."""
         return self.ledger.pending_records()
 
+    def may_prune(self, root: RootConfig, leader: str | None) -> bool:
+        """Whether this daemon may retire steps of ``root`` and move its ``best`` pointer.
+
+        The one rule of who prunes: on a root shared between nodes, only the leader
+        (the daemon serving global rank 0) may. ``leader`` is the node whose marker in
+        the root's newest checkpoint holds rank 0 (None: that checkpoint did not span
+        nodes, so it is this daemon's; "": it did, and no marker names rank 0, so it is
+        nobody's to prune).
+        """
+        return leader is None or leader == self.config.node
+
     def apply(self, effects: Sequence[Effect]) -> None:
         """Carry out ledger effects: events, promotions, woken waiters."""
         for effect in effects:
@@ -212,7 +228,7 @@ class Daemon:
 
     def journal_snapshot(self) -> list[JournalRecord]:
         """Records rebuilding the current state, for compacting the journal."""
-        return [self.walled(r) for r in self.ledger.snapshot()]
+        return [self.walled(r) for r in self.ledger.snapshot()] + self.retention.snapshot()
 
     def walled(self, record: JournalRecord) -> JournalRecord:
         """The record with its ledger time turned into wall-clock time."""
@@ -288,7 +304,11 @@ class Daemon:
                     check_relative(entry.path)
                 key = SaveKey(root.path, step)
                 attempt = request.attempt
-                await self.commit(self.ledger.done(key, rank, files, conn, now(), attempt=attempt))
+                metrics = checked_metrics(request.metrics or {})  # refused before any change
+                effects = self.ledger.done(key, rank, files, conn, now(), attempt=attempt)
+                if metrics and (save := self.ledger.get(key)) is not None:
+                    self.retention.state.reported(key, save.attempt, metrics)
+                await self.commit(effects)
                 return p.Ack(id=request.id)
             case p.Fail(root=root_path, step=step, rank=rank, reason=reason):
                 root = self.configured(root_path)
@@ -327,6 +347,9 @@ class Daemon:
                 return await self._rescue(request.id, root, step, wait_s=timeout)
             case p.Gc(root=root_path, remove=remove):
                 return await collect(self, request.id, self.configured(root_path), remove)
+            case p.Score() | p.Pin() | p.Unpin() | p.Hold() | p.Retention():
+                reply: msgspec.Struct = await self.retention.handle(request)
+                return reply
         raise RequestError(p.ErrorCode.UNKNOWN_OP, f"unhandled op {type(request).__name__}")
 
     async def _begin(self, conn: int, request: p.Begin) -> p.BeginReply:

@@ -13,7 +13,16 @@ from pathlib import Path
 import pytest
 
 from bench import __main__ as bench_main
-from bench import client_cost, disk, footprint, metrics, promotion, stall, throughput
+from bench import (
+    client_cost,
+    disk,
+    footprint,
+    metrics,
+    promotion,
+    retention,
+    stall,
+    throughput,
+)
 from bench._common import BenchResult, Row
 
 
@@ -52,6 +61,11 @@ class TestInProcessBenchmarks:
 
     def test_footprint(self) -> None:
         well_formed(footprint.run(starts=1, connections=16, steps=50), "footprint")
+
+    def test_retention(self) -> None:
+        result = retention.run(files=2000, rounds=1)
+        well_formed(result, "retention")
+        assert result.raw["next_ms"] and result.raw["baseline_ms"]
 
 
 @pytest.mark.slow
