@@ -22,7 +22,17 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from . import client_cost, disk, footprint, metrics, multinode, promotion, stall, throughput
+from . import (
+    client_cost,
+    disk,
+    footprint,
+    metrics,
+    multinode,
+    promotion,
+    retention,
+    stall,
+    throughput,
+)
 from ._chart import draw
 from ._common import REPO, BenchResult, Row, machine_info, markdown_table, print_table
 
@@ -35,6 +45,7 @@ BENCHMARKS: dict[str, Callable[[bool], BenchResult]] = {
     "footprint": footprint.run,
     "metrics": metrics.run,
     "multinode": multinode.run,
+    "retention": retention.run,
 }
 """Every benchmark, in the order they run, by the name ``--only`` takes."""
 

@@ -33,7 +33,6 @@ __all__ = [
     "new_attempt_id",
     "prepare",
     "read_marker",
-    "restore",
     "set_aside",
     "trash_name",
 ]
@@ -144,20 +143,6 @@ def set_aside(root: RootConfig, step: int, attempt: str) -> str | None:
     moved = _to_trash(root, step, attempt)
     fsync_dir(root.path)
     return moved
-
-
-def restore(root: RootConfig, step: int, path: str) -> bool:
-    """Move a set-aside directory back to ``tmp_step_N`` (for ``ckptd promote``).
-
-    Returns:
-        Whether it was moved: False if ``path`` is gone or ``tmp_step_N`` exists.
-    """
-    tmp = root.tmp_dir(step)
-    if not os.path.isdir(path) or os.path.lexists(tmp):
-        return False
-    os.rename(path, tmp)
-    fsync_dir(root.path)
-    return True
 
 
 def trash_name(root: RootConfig, step: int, attempt: str) -> str:

@@ -117,4 +117,13 @@ def summary(config: Config) -> list[str]:
             f"  {root.path}{named}: {root.tmp_prefix}N -> {root.final_prefix}N, "
             f"pointer {root.pointer}"
         )
+        if root.retention is not None:
+            lines.append(
+                f"    retention: {root.retention.policy.describe()}"
+                + (
+                    f", best pointer {root.retention.best_pointer}"
+                    if root.retention.policy.keep_best is not None
+                    else ""
+                )
+            )
     return lines

@@ -13,6 +13,7 @@ from orchestrator.protocol import default_socket_path
 
 from ._config_types import check_types
 from ._errors import ConfigError
+from .retention.config import RetentionConfig, parse_retention
 
 __all__ = ["Config", "RootConfig", "default_socket_path", "default_state_dir", "load_config"]
 
@@ -56,6 +57,9 @@ class RootConfig:
     """The path as configured, when it is a symlink to :attr:`path` (requests may name
     either). The daemon renames only in the resolved directory, so a symlink re-pointed
     while it runs never moves its work elsewhere."""
+    retention: RetentionConfig | None = None
+    """The root's retention policy (TOML ``[roots.retention]``); None: nothing is ever
+    retired."""
     watch: str = "auto"
     """How the daemon sees other nodes' markers in this root: ``inotify`` (watchfiles;
     sees only this machine's writes), ``poll`` (every ``poll_interval``; sees every
@@ -358,6 +362,10 @@ def _root(table: dict[str, Any], source: str | None) -> RootConfig:
         raise ConfigError(
             f"unknown keys in [[roots]] {path} of {source}: {sorted(set(extra) - options)}; "
             f"known: {sorted(options | {'path'})}"
+        )
+    if "retention" in extra:  # the [roots.retention] sub-table
+        extra["retention"] = parse_retention(
+            extra["retention"], path, str(extra.get("pointer", "latest"))
         )
     real = os.path.realpath(path)
     named = path if real != path else ""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Final
 
-__all__ = ["GC_POINTS", "NODE_POINTS", "POINTS", "crash_point"]
+__all__ = ["GC_POINTS", "NODE_POINTS", "POINTS", "RETENTION_POINTS", "crash_point"]
 
 POINTS: Final = (
     "before_intent",
@@ -27,6 +27,10 @@ POINTS: Final = (
 
 GC_POINTS: Final = ("gc_after_doom",)
 """Crash points of ``gc``: after its renames into the trash, before it journals or
+deletes anything."""
+
+RETENTION_POINTS: Final = ("retention_after_doom",)
+"""Crash points of retention: after its renames into the trash, before it journals or
 deletes anything."""
 
 NODE_POINTS: Final = ("after_node_marker",)

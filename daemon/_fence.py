@@ -52,16 +52,17 @@ class ClaimedError(FileExistsError):
     """Raised by :func:`claim` when another node (or attempt) holds the step's claim."""
 
 
-def claim(root: RootConfig, step: int, node: str, attempt: str) -> None:
+def claim(root: RootConfig, step: int, node: str, attempt: str, tmp: str | None = None) -> None:
     """Claim the promotion of ``tmp_step_N`` for ``node`` and ``attempt``, durably.
 
-    Idempotent for the same holder (a restarted leader resuming its promotion).
+    Idempotent for the same holder (a restarted leader resuming its promotion). ``tmp``
+    is the directory to promote if not ``tmp_step_N`` (a rescue from the trash).
 
     Raises:
         ClaimedError: another holder's claim is there; the message names it.
         OSError: the claim cannot be written.
     """
-    tmp = root.tmp_dir(step)
+    tmp = tmp or root.tmp_dir(step)
     path = os.path.join(tmp, CLAIM)
     data = msgspec.json.encode(Claim(node=node, attempt=attempt, written=now_iso()))
     try:
@@ -84,9 +85,9 @@ def claim(root: RootConfig, step: int, node: str, attempt: str) -> None:
     fsync_dir(tmp)
 
 
-def release(root: RootConfig, step: int, node: str, attempt: str) -> None:
+def release(root: RootConfig, step: int, node: str, attempt: str, tmp: str | None = None) -> None:
     """Drop this holder's claim (verification failed: nothing was renamed)."""
-    path = os.path.join(root.tmp_dir(step), CLAIM)
+    path = os.path.join(tmp or root.tmp_dir(step), CLAIM)
     held = _holder(path)
     if held is not None and held.node == node and held.attempt == attempt:
         try:

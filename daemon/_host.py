@@ -9,6 +9,7 @@ imports its parts; they import only what they use.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 import anyio
@@ -25,8 +26,30 @@ from ._ledger import Effect, Ledger, SaveKey
 __all__ = ["Collecting", "Coordinating", "Host", "Recovering", "Serving"]
 
 
+class _Pauses(Protocol):
+    def pause(self, root: RootConfig) -> AbstractContextManager[None]: ...
+
+
+class _Retains(Protocol):
+    def promoted(self, root: RootConfig, key: SaveKey) -> None: ...
+
+    def replay(self, record: JournalRecord) -> bool: ...
+
+    def reconfigured(self) -> None: ...
+
+
 class Host(Protocol):
     """The state and actions every part of the daemon shares."""
+
+    @property
+    def trash(self) -> _Pauses:
+        """The background remover (``daemon._trash``): paused while a root promotes."""
+        ...
+
+    @property
+    def retention(self) -> _Retains:
+        """Retention (``daemon.retention``): told of promotions, replays its records."""
+        ...
 
     @property
     def ledger(self) -> Ledger: ...
@@ -75,7 +98,7 @@ class Serving(Host, Protocol):
         ...
 
 
-class _Trash(Protocol):
+class _Trash(_Pauses, Protocol):
     def kick(self, root: RootConfig) -> None: ...
 
 

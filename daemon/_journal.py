@@ -33,12 +33,16 @@ __all__ = [
     "JDone",
     "JFail",
     "JForget",
+    "JHold",
     "JIntent",
     "JLearned",
+    "JMetrics",
     "JNodeMarked",
+    "JPin",
     "JPromoted",
     "JRemote",
     "JRescue",
+    "JRetired",
     "JSaveFailed",
     "JSetAside",
     "Journal",
@@ -161,6 +165,39 @@ class JLearned(_Record, frozen=True, tag="l"):
     at: float
 
 
+class JMetrics(_Record, frozen=True, tag="ret.m"):
+    """Metrics of the step, merged over what it had (retention's ``keep_best``).
+
+    With ``attempt``: reported in that attempt's ``done``s, the step's once that attempt
+    is promoted; without: the promoted checkpoint's (``training_info.json``, ``score``).
+    ``adopted``: the step was found promoted and took its metrics; what its attempts
+    reported is settled.
+    """
+
+    metrics: dict[str, float]
+    attempt: str = ""
+    adopted: bool = False
+
+
+class JPin(_Record, frozen=True, tag="ret.pin"):
+    """The step was pinned (``pinned``) or unpinned: retention never retires a pinned step."""
+
+    pinned: bool
+
+
+class JHold(_Record, frozen=True, tag="ret.hold"):
+    """A reader holds the step until ``until`` (wall-clock seconds); a past time releases."""
+
+    until: float
+
+
+class JRetired(_Record, frozen=True, tag="ret.retired"):
+    """Retention moved the step into the trash as ``entry`` (its doomed name)."""
+
+    entry: str
+    rule: str = ""
+
+
 JournalRecord = (
     JBegin
     | JDone
@@ -174,6 +211,10 @@ JournalRecord = (
     | JNodeMarked
     | JRemote
     | JLearned
+    | JMetrics
+    | JPin
+    | JHold
+    | JRetired
 )
 """Every kind of journal record."""
 

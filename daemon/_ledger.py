@@ -357,6 +357,7 @@ class Ledger(Deadlines, SpanningLedger):
         save = self._require(key, SaveState.PROMOTING)
         save.state = SaveState.PROMOTED
         save.path = path
+        save.set_aside = None  # a rescued attempt's directory is the checkpoint now
         self._record(JPromoted(key.root, key.step, path, now))
         self._settle(save, now)
         extra = {k: v for k, v in fields.items() if k not in _PROMOTED_OWN}
@@ -610,12 +611,6 @@ class Ledger(Deadlines, SpanningLedger):
             return  # replaced by a newer attempt meanwhile: the trash name still says whose
         save.set_aside = path
         self._record(JSetAside(key.root, key.step, attempt, path, now))
-
-    def restored(self, key: SaveKey) -> None:
-        """A rescue moved the set-aside directory back to ``tmp_step_N``."""
-        save = self._saves.get(key)
-        if save is not None:
-            save.set_aside = None
 
     def _settle(self, save: SaveRecord, now: float) -> None:
         self._unsettled -= 1

@@ -87,6 +87,7 @@ async def serve(
                 await services.start(daemon.lanes.serve)
                 await recover(daemon, replay)
                 daemon.trash.start()  # also deletes what a previous run doomed
+                await services.start(daemon.retention.serve)
                 services.start_soon(daemon.timekeeper)
                 if exporter is not None:
                     services.start_soon(exporter.write_textfile)
@@ -123,6 +124,7 @@ async def serve(
                 await daemon.promoter.idle()
                 await daemon.nodes.idle()
                 await daemon.attempt_dirs.idle()
+                await daemon.retention.stop()  # while the journal still writes
                 services.cancel_scope.cancel()
         daemon.trash.close()
         daemon.events.emit("daemon.stopped")

@@ -44,6 +44,7 @@ __all__ = [
     "is_marker_name",
     "marker_name",
     "read_markers",
+    "read_markers_in",
     "read_outcome",
     "read_verdict",
     "write_marker",
@@ -150,7 +151,11 @@ def read_markers(root: RootConfig, step: int, seen: Seen) -> list[NodeMarker]:
     A directory that is gone reads as no markers; an unreadable marker is skipped (and
     read again next time).
     """
-    tmp = root.tmp_dir(step)
+    return read_markers_in(root.tmp_dir(step), seen)
+
+
+def read_markers_in(tmp: str, seen: Seen) -> list[NodeMarker]:
+    """Node markers in directory ``tmp`` that are new or changed since ``seen``."""
     out: list[NodeMarker] = []
     try:
         entries = list(os.scandir(tmp))

@@ -33,7 +33,12 @@ class RescueMarkers:
 
 
 async def rescue_markers(
-    daemon: Host, root: RootConfig, step: int, attempt: str, save: SaveRecord | None
+    daemon: Host,
+    root: RootConfig,
+    step: int,
+    attempt: str,
+    save: SaveRecord | None,
+    tmp: str | None = None,
 ) -> RescueMarkers | None:
     """For ``ckptd promote``: the markers of ``attempt`` in ``tmp_step_N``, if it spans nodes.
 
@@ -44,7 +49,8 @@ async def rescue_markers(
         RequestError: (``unverifiable``) the markers do not cover every rank, or a node
             reported a failure; the message says what is missing.
     """
-    found = await daemon.lanes.run(root.path, _markers.read_markers, root, step, {}, abandon=True)
+    where = tmp or root.tmp_dir(step)
+    found = await daemon.lanes.run(root.path, _markers.read_markers_in, where, {}, abandon=True)
     assert isinstance(found, list)
     ours = [m for m in found if isinstance(m, NodeMarker) and m.attempt == attempt]
     if not ours:

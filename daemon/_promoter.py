@@ -151,6 +151,7 @@ def promote(
     intent: Callable[[], object] | None = None,
     expect: tuple[int, int] | None = None,
     pointer_node: str | None = None,
+    source: str | None = None,
 ) -> Promotion:
     """Make step ``step`` of ``root`` a checkpoint. Call only after verification.
 
@@ -174,6 +175,8 @@ def promote(
             renamed one turns out to be another, the rename is undone.
         pointer_node: On a shared root: this node's name, and the pointer is moved
             under the root's pointer lock (:func:`daemon._fence.pointer_lock`).
+        source: The directory to promote, if not ``tmp_step_N``: a failed attempt's,
+            rescued from where it was set aside in the root's trash.
 
     Returns:
         Where the checkpoint is and whether the pointer moved. A pointer that cannot be
@@ -185,7 +188,7 @@ def promote(
             message. Before the rename nothing is visible and the tmp dir is intact; if
             the root cannot be fsynced after it, the rename is undone where possible.
     """
-    tmp, final = root.tmp_dir(step), root.final_dir(step)
+    tmp, final = source or root.tmp_dir(step), root.final_dir(step)
     # Files and subdirectories are independent: flush them side by side (the disk
     # queues them together) while the intent is journaled and the manifest written.
     queue = deque((os.path.join(tmp, rel), False) for rel in manifest.files)
@@ -224,7 +227,7 @@ def promote(
         raise PromotionError(
             exc.errno or errno.EIO, f"{stage} failed for {tmp}: {exc.strerror or exc}"
         ) from exc
-    return _after_rename(storage, root, step, undo=True, pointer_node=pointer_node)
+    return _after_rename(storage, root, step, undo=True, pointer_node=pointer_node, source=source)
 
 
 def _drain(storage: Storage, queue: deque[tuple[str, bool]]) -> None:
@@ -253,9 +256,15 @@ def finish(
 
 
 def _after_rename(
-    storage: Storage, root: RootConfig, step: int, *, undo: bool, pointer_node: str | None
+    storage: Storage,
+    root: RootConfig,
+    step: int,
+    *,
+    undo: bool,
+    pointer_node: str | None,
+    source: str | None = None,
 ) -> Promotion:
-    tmp, final = root.tmp_dir(step), root.final_dir(step)
+    tmp, final = source or root.tmp_dir(step), root.final_dir(step)
     try:
         storage.fsync(root.path, directory=True)
     except OSError as exc:

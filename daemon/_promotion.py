@@ -69,8 +69,9 @@ class Promoter:
         try:
             with anyio.CancelScope(shield=True):
                 root = self._daemon.configured(key.root)
-                async with self._daemon.root_locks[root.path]:
-                    await self._promote_locked(root, key)
+                with self._daemon.trash.pause(root):  # deletion waits for promotions
+                    async with self._daemon.root_locks[root.path]:
+                        await self._promote_locked(root, key)
         finally:
             self._running -= 1
             if not self._running:
@@ -87,8 +88,11 @@ class Promoter:
         # A save that spans nodes is on a shared filesystem, renamed under a claim only
         # one node can hold, its pointer moved under a lock every node honours.
         fence = (daemon.config.node, save.attempt) if save.spans or save.fenced else None
+        # A rescued failed attempt is promoted from where it was set aside: its files
+        # never return to tmp_step_N, where a new attempt may be writing.
+        source = save.set_aside if save.rescued else None
         try:
-            if resumed and await lane.run(_renamed, root, key.step):
+            if resumed and await lane.run(_renamed, root, key.step, source):
                 # The rename happened before the restart: finish, never redo it.
                 manifest = await lane.run(read_manifest, root.final_dir(key.step))
                 node = None if fence is None else fence[0]
@@ -111,6 +115,7 @@ class Promoter:
                     save.attempt,
                     intent,
                     fence,
+                    source,
                 )
         except _fence.ClaimedError as exc:
             daemon.events.emit(
@@ -152,6 +157,7 @@ class Promoter:
         except RuntimeError as exc:  # the ledger no longer expects it: a bug, never fatal
             daemon.events.emit("daemon.internal_error", "error", where="promoted", error=repr(exc))
         crash_point("after_promoted")
+        daemon.retention.promoted(root, key)  # a pass in the background, after this lock
 
     async def _intent(self, key: SaveKey) -> None:
         """Journal that ``key`` passed verification and is about to be renamed."""
@@ -176,36 +182,47 @@ def _verify_and_promote(
     attempt: str,
     intent: Callable[[], object] | None,
     fence: tuple[str, str] | None = None,
+    source: str | None = None,
 ) -> tuple[Manifest, Promotion]:
     """Verify ``tmp_step_N``, then promote it (blocking; one worker thread for both).
 
     The directory renamed is the one verified: its identity (device, inode) is taken
     before the scan and checked again before and after the rename. With ``fence``
     (node, attempt), the step is claimed first, and the claim dropped if it fails
-    verification.
+    verification. ``source`` is the directory to promote if not ``tmp_step_N`` (a
+    rescued attempt's, in the trash).
 
     Raises:
         ClaimedError: another node holds the claim.
     """
+    tmp = source or root.tmp_dir(step)
     try:
-        identity = _promoter.identity(root.tmp_dir(step))
+        identity = _promoter.identity(tmp)
     except FileNotFoundError:
-        raise VerificationError(f"{root.tmp_dir(step)} does not exist") from None
+        raise VerificationError(f"{tmp} does not exist") from None
     if fence is not None:
-        _fence.claim(root, step, *fence)
+        _fence.claim(root, step, *fence, tmp)
     try:
-        manifest = scan_save(root, step, world_size, reported, attempt)
+        manifest = scan_save(root, step, world_size, reported, attempt, source)
     except VerificationError:
         if fence is not None:
-            _fence.release(root, step, *fence)
+            _fence.release(root, step, *fence, tmp)
         raise
     node = None if fence is None else fence[0]
     done = _promoter.promote(
-        storage, root, step, manifest, intent=intent, expect=identity, pointer_node=node
+        storage,
+        root,
+        step,
+        manifest,
+        intent=intent,
+        expect=identity,
+        pointer_node=node,
+        source=source,
     )
     return manifest, done
 
 
-def _renamed(root: RootConfig, step: int) -> bool:
-    """Whether a journaled promotion already renamed ``tmp_step_N`` to ``step_N``."""
-    return os.path.isdir(root.final_dir(step)) and not os.path.lexists(root.tmp_dir(step))
+def _renamed(root: RootConfig, step: int, source: str | None = None) -> bool:
+    """Whether a journaled promotion already renamed its directory to ``step_N``."""
+    tmp = source or root.tmp_dir(step)
+    return os.path.isdir(root.final_dir(step)) and not os.path.lexists(tmp)

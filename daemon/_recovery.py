@@ -38,6 +38,8 @@ async def recover(daemon: Recovering, replay: Replay) -> None:
     now, wall = daemon.clock(), time.time()
     skipped = 0
     for record in replay.records:
+        if daemon.retention.replay(record):
+            continue  # metrics, pins, holds, retirements
         at = getattr(record, "at", wall)
         try:
             ledger.replay(record, now - (wall - at))

@@ -22,6 +22,7 @@ service manager hears ``RELOADING=1`` before and ``READY=1`` after, whatever the
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Final, Protocol
 
 import anyio
@@ -50,6 +51,8 @@ _SETTLE_EVENTS: Final = ("checkpoint.promoted", "checkpoint.failed")
 
 class _AddsRoots(Protocol):
     def add(self, root: RootConfig) -> None: ...
+
+    def pause(self, root: RootConfig) -> AbstractContextManager[None]: ...
 
 
 class Reloadable(Recovering, Protocol):
@@ -159,6 +162,7 @@ class Reloader:
                 daemon.retiring[root.path] = root
                 self._group.start_soon(self._retire, root)
         daemon.config = plan.config
+        daemon.retention.reconfigured()  # new and changed policies apply at once
 
     async def _retire(self, root: RootConfig) -> None:
         """Forget ``root`` once its last save in flight has settled."""

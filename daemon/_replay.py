@@ -138,8 +138,15 @@ def snapshot(saves: Iterable[SaveRecord]) -> list[JournalRecord]:
         ]
         if save.marked:
             out.append(JNodeMarked(root, step, save.attempt, save.first_begin))
+        spanning = save.world_size if save.fenced else 0
+        if save.rescued and save.set_aside is not None:
+            # Rescued from the trash: where its files lie is the promotion's source. A
+            # rescue (which creates a save no journal knew), the failure, the set-aside.
+            at = save.first_begin
+            out.append(JRescue(root, step, at, save.attempt, spanning))
+            out.append(JSaveFailed(root, step, "failed before its rescue", at))
+            out.append(JSetAside(root, step, save.attempt, save.set_aside, at))
         if save.rescued:  # after the ranks' records, whose failure it overrode
-            spanning = save.world_size if save.fenced else 0
             out.append(JRescue(root, step, save.first_begin, save.attempt, spanning))
         # A rescue takes the other nodes' markers after it, a leader before its outcome.
         out += _remote_records(save)
@@ -149,6 +156,8 @@ def snapshot(saves: Iterable[SaveRecord]) -> list[JournalRecord]:
             promoted = save.state is SaveState.PROMOTED
             at = save.settled_at or 0.0
             out.append(JLearned(root, step, save.attempt, promoted, detail, at))
+            if save.state is SaveState.FAILED and save.set_aside is not None:
+                out.append(JSetAside(root, step, save.attempt, save.set_aside, at))
             continue
         if save.state is SaveState.FAILED and (save.rescued or not failed_rank):
             out.append(JSaveFailed(root, step, save.reason or "", save.settled_at or 0.0))

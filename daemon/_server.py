@@ -45,6 +45,8 @@ from ._reload import reloaded_root_check
 from ._saves import MarkNode, NodeFailed, Watch
 from ._trash import TrashRemover
 from ._verify import scan_save
+from .retention.applier import Retention
+from .retention.state import checked_metrics
 
 __all__ = ["VERSION", "Daemon"]
 
@@ -108,6 +110,8 @@ class Daemon:
         """Each root's blocking filesystem calls run in that root's lane."""
         self.attempt_dirs = AttemptDirs(self, run=self._run_for)
         """Each attempt's own tmp directory: prepared before begin, set aside on failure."""
+        self.retention = Retention(self, may_prune=self.may_prune)
+        """Metrics, pins, holds, the ``best`` pointer and retiring steps; run by ``serve``."""
         self.stopping = False
         self.retiring: dict[str, RootConfig] = {}
         """Roots a reload removed whose saves in flight go on to their end; new saves
@@ -141,6 +145,7 @@ class Daemon:
                 request must not be acknowledged and may be retried.
         """
         new = [self.walled(r) for r in self.ledger.drain_records()]
+        new += self.retention.state.drain_records()
         self._queue += new
         self._queued += len(new)
         target = self._queued
@@ -191,6 +196,17 @@ class Daemon:
         """Whether the ledger holds changes not yet journaled."""
         return self.ledger.pending_records()
 
+    def may_prune(self, root: RootConfig, leader: str | None) -> bool:
+        """Whether this daemon may retire steps of ``root`` and move its ``best`` pointer.
+
+        The one rule of who prunes: on a root shared between nodes, only the leader
+        (the daemon serving global rank 0) may. ``leader`` is the node whose marker in
+        the root's newest checkpoint holds rank 0 (None: that checkpoint did not span
+        nodes, so it is this daemon's; "": it did, and no marker names rank 0, so it is
+        nobody's to prune).
+        """
+        return leader is None or leader == self.config.node
+
     def apply(self, effects: Sequence[Effect]) -> None:
         """Carry out ledger effects: events, promotions, woken waiters."""
         for effect in effects:
@@ -212,7 +228,7 @@ class Daemon:
 
     def journal_snapshot(self) -> list[JournalRecord]:
         """Records rebuilding the current state, for compacting the journal."""
-        return [self.walled(r) for r in self.ledger.snapshot()]
+        return [self.walled(r) for r in self.ledger.snapshot()] + self.retention.snapshot()
 
     def walled(self, record: JournalRecord) -> JournalRecord:
         """The record with its ledger time turned into wall-clock time."""
@@ -288,7 +304,11 @@ class Daemon:
                     check_relative(entry.path)
                 key = SaveKey(root.path, step)
                 attempt = request.attempt
-                await self.commit(self.ledger.done(key, rank, files, conn, now(), attempt=attempt))
+                metrics = checked_metrics(request.metrics or {})  # refused before any change
+                effects = self.ledger.done(key, rank, files, conn, now(), attempt=attempt)
+                if metrics and (save := self.ledger.get(key)) is not None:
+                    self.retention.state.reported(key, save.attempt, metrics)
+                await self.commit(effects)
                 return p.Ack(id=request.id)
             case p.Fail(root=root_path, step=step, rank=rank, reason=reason):
                 root = self.configured(root_path)
@@ -327,6 +347,9 @@ class Daemon:
                 return await self._rescue(request.id, root, step, wait_s=timeout)
             case p.Gc(root=root_path, remove=remove):
                 return await collect(self, request.id, self.configured(root_path), remove)
+            case p.Score() | p.Pin() | p.Unpin() | p.Hold() | p.Retention():
+                reply: msgspec.Struct = await self.retention.handle(request)
+                return reply
         raise RequestError(p.ErrorCode.UNKNOWN_OP, f"unhandled op {type(request).__name__}")
 
     async def _begin(self, conn: int, request: p.Begin) -> p.BeginReply:
@@ -484,34 +507,41 @@ class Daemon:
         reported = {} if save is None else save.reported_files()
         world_size = 0 if save is None else save.world_size
         async with self.root_locks[root.path]:
+            # A failed attempt's set-aside files are judged, and promoted, where they lie
+            # in the trash: they never return to tmp_step_N, where a new attempt writes.
+            source = None
             if save is not None and save.state is p.SaveState.FAILED and save.set_aside:
-                # The failed attempt's files were set aside: bring them back to be judged.
-                restore = _attempts.restore
-                if await self.lanes.run(root.path, restore, root, step, save.set_aside):
-                    self.ledger.restored(key)
-                    self.events.emit(
-                        "save.restored", root=root.path, step=step, attempt=save.attempt
-                    )
-            tmp = root.tmp_dir(step)
+                exists = os.path.isdir
+                if await self.lanes.run(root.path, exists, save.set_aside, abandon=True):
+                    source = save.set_aside
+            tmp = source or root.tmp_dir(step)
             marker = await self.lanes.run(root.path, _attempts.read_marker, tmp, abandon=True)
             attempt = save.attempt if save is not None else ""
             if save is None and marker is not None:
                 attempt = marker.attempt  # a step no journal knows: its directory says whose
             # A step that spans nodes is promoted from its node markers, if they cover it.
-            nodes = await rescue_markers(self, root, step, attempt, save)
+            nodes = await rescue_markers(self, root, step, attempt, save, tmp)
             if nodes is not None:
                 world_size = nodes.world_size
                 reported = {**reported, **nodes.files()}
             try:
                 manifest = await self.lanes.run(
-                    root.path, scan_save, root, step, world_size, reported, attempt, abandon=True
+                    root.path,
+                    scan_save,
+                    root,
+                    step,
+                    world_size,
+                    reported,
+                    attempt,
+                    source,
+                    abandon=True,
                 )
             except VerificationError as exc:
                 raise RequestError(p.ErrorCode.UNVERIFIABLE, str(exc)) from None
         if not manifest.dcp_dirs:
             raise RequestError(
                 p.ErrorCode.UNVERIFIABLE,
-                f"{root.tmp_dir(step)} holds no DCP directory (*.distcp with .metadata): "
+                f"{tmp} holds no DCP directory (*.distcp with .metadata): "
                 "nothing on disk proves the step complete",
             )
         spanning = 0 if nodes is None else nodes.world_size

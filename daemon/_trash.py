@@ -24,6 +24,7 @@ daemon's exit; whatever it had left is deleted by the next run.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import os
@@ -31,7 +32,7 @@ import stat
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -42,6 +43,7 @@ from ._config import RootConfig
 from ._events import Events
 from ._gc import doomed_dir
 from ._mounts import mount_table
+from .retention.disk import doomed_step
 
 __all__ = ["TRANSIENT", "Removal", "TrashRemover", "remove_entry"]
 
@@ -58,6 +60,11 @@ TRANSIENT: Final = frozenset({errno.EBUSY, errno.ENOTEMPTY, errno.ESTALE, errno.
 """Errors that clear by themselves (a file in use, a directory refilled, NFS)."""
 
 _NFS_SILLY: Final = ".nfs"
+_SYNC_EVERY: Final = 32
+"""Unlinks per thread between flushes of their directory (see :func:`_flush_parent`).
+
+Measured with `bench/retention.py` (100,000 files, 2-vCPU VM, ext4): every 256 the next
+promotion took 1.34x its median without retention, every 32 about 1.0x."""
 
 
 @dataclass(slots=True)
@@ -79,7 +86,13 @@ class Removal:
     """Why parts could not be removed at all (not retried on their own)."""
 
 
-def remove_entry(path: str, *, workers: int = WORKERS, mounts: Iterable[str] = ()) -> Removal:
+def remove_entry(
+    path: str,
+    *,
+    workers: int = WORKERS,
+    mounts: Iterable[str] = (),
+    gate: threading.Event | None = None,
+) -> Removal:
     """Delete ``path`` and everything under it, as far as one pass can. Blocking I/O.
 
     Symlinks are unlinked, never followed. Directories on another filesystem than
@@ -89,6 +102,8 @@ def remove_entry(path: str, *, workers: int = WORKERS, mounts: Iterable[str] = (
         path: The doomed entry.
         workers: Threads unlinking files at once.
         mounts: Mount points, as in the mount table.
+        gate: When given, every unlink, ``rmdir`` and directory listing waits until it
+            is set: cleared while the root promotes (:meth:`TrashRemover.pause`).
     """
     result = Removal()
     try:
@@ -102,7 +117,7 @@ def remove_entry(path: str, *, workers: int = WORKERS, mounts: Iterable[str] = (
         result.busy.append(f"{path} is a mount point")
         return result
     if not stat.S_ISDIR(top.st_mode):
-        _unlink_all([path], 1, result)
+        _unlink_all([path], 1, result, gate)
         result.gone = not result.busy and not result.errors
         return result
     files: list[str] = []
@@ -112,6 +127,8 @@ def remove_entry(path: str, *, workers: int = WORKERS, mounts: Iterable[str] = (
     while stack:
         directory = stack.pop()
         dirs.append(directory)
+        if gate is not None:
+            gate.wait()
         try:
             with os.scandir(directory) as entries:
                 for entry in entries:
@@ -131,10 +148,12 @@ def remove_entry(path: str, *, workers: int = WORKERS, mounts: Iterable[str] = (
             if exc.errno != errno.ENOENT:
                 _problem(result, directory, exc)
                 _block(blocked, directory, path)
-    _unlink_all(files, workers, result)
+    _unlink_all(files, workers, result, gate)
     for directory in reversed(dirs):
         if directory in blocked:
             continue
+        if gate is not None:
+            gate.wait()
         try:
             os.rmdir(directory)
         except FileNotFoundError:
@@ -175,7 +194,28 @@ def _problem(result: Removal, path: str, exc: OSError) -> None:
     (result.busy if exc.errno in TRANSIENT else result.errors).append(why)
 
 
-def _unlink_all(paths: list[str], workers: int, result: Removal) -> None:
+def _flush_parent(path: str) -> None:
+    """Commit the unlinks so far (fsync their directory), a few at a time.
+
+    On a journaling filesystem the next ``fsync`` of anything commits every metadata
+    change still pending: flushed here, in the deletion's thread, a promotion's first
+    flush does not pay for thousands of unlinks at once.
+    """
+    try:
+        fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # only an optimisation; the removal stands either way
+    finally:
+        os.close(fd)
+
+
+def _unlink_all(
+    paths: list[str], workers: int, result: Removal, gate: threading.Event | None = None
+) -> None:
     """Unlink ``paths`` from up to ``workers`` threads, adding to ``result``."""
     queue = deque(paths)
     lock = threading.Lock()
@@ -188,6 +228,8 @@ def _unlink_all(paths: list[str], workers: int, result: Removal) -> None:
                 path = queue.popleft()
             except IndexError:
                 break
+            if gate is not None:
+                gate.wait()
             try:
                 length = os.lstat(path).st_size
                 os.unlink(path)
@@ -196,6 +238,8 @@ def _unlink_all(paths: list[str], workers: int, result: Removal) -> None:
                 continue
             done += 1
             size += length
+            if gate is not None and done % _SYNC_EVERY == 0:
+                _flush_parent(path)
         with lock:
             result.entries += done
             result.bytes += size
@@ -228,10 +272,13 @@ class _Pending:
 class _RootRemover:
     """The thread deleting one root's doomed entries."""
 
-    def __init__(self, root: RootConfig, emit: Callable[..., None], workers: int) -> None:
+    def __init__(
+        self, root: RootConfig, emit: Callable[..., None], workers: int, gate: threading.Event
+    ) -> None:
         self._root = root
         self._emit = emit
         self._workers = workers
+        self.gate = gate
         self._cond = threading.Condition()
         self._kicked = True
         self._closed = False
@@ -291,7 +338,9 @@ class _RootRemover:
             if pending.failed or pending.retry_at > now:
                 continue
             pending.attempts += 1
-            removal = remove_entry(os.path.join(base, name), workers=self._workers, mounts=mounts)
+            removal = remove_entry(
+                os.path.join(base, name), workers=self._workers, mounts=mounts, gate=self.gate
+            )
             pending.bytes += removal.bytes
             pending.entries += removal.entries
             if removal.gone:
@@ -305,6 +354,11 @@ class _RootRemover:
                     attempts=pending.attempts,
                     duration_s=round(time.monotonic() - pending.first_seen, 3),
                 )
+                step = doomed_step(self._root, name)
+                if step is not None:  # a checkpoint retention retired: now it is gone
+                    self._event(
+                        "checkpoint.deleted", "info", step=step, entry=name, bytes=pending.bytes
+                    )
             elif removal.errors:
                 pending.failed = True
                 self._event(
@@ -374,6 +428,8 @@ class TrashRemover:
         self._roots = {root.path: root for root in roots}
         self._workers = workers
         self._removers: dict[str, _RootRemover] = {}
+        self._gates: dict[str, threading.Event] = {}
+        self._pausing: dict[str, int] = {}
         self._emit: Callable[..., None] | None = None
 
     def start(self) -> None:
@@ -386,13 +442,41 @@ class TrashRemover:
 
         self._emit = emit
         for path, root in self._roots.items():
-            self._removers[path] = _RootRemover(root, emit, self._workers)
+            self._removers[path] = _RootRemover(root, emit, self._workers, self._gate(path))
+
+    @contextlib.contextmanager
+    def pause(self, root: RootConfig) -> Iterator[None]:
+        """Hold ``root``'s deletion while the block runs (a promotion). Never blocks.
+
+        Its threads stop before their next unlink, ``rmdir`` or listing and go on once no
+        pause of the root is left: a promotion's flushes never queue behind a deletion's
+        metadata writes, nor its verification behind the deletion's threads.
+        """
+        path = root.path
+        gate = self._gate(path)
+        self._pausing[path] += 1
+        gate.clear()
+        try:
+            yield
+        finally:
+            self._pausing[path] -= 1
+            if not self._pausing[path]:
+                gate.set()
 
     def add(self, root: RootConfig) -> None:
         """Remove ``root``'s doomed entries too (a root a reload added); on the event loop."""
         self._roots[root.path] = root
         if self._emit is not None and root.path not in self._removers:
-            self._removers[root.path] = _RootRemover(root, self._emit, self._workers)
+            gate = self._gate(root.path)
+            self._removers[root.path] = _RootRemover(root, self._emit, self._workers, gate)
+
+    def _gate(self, path: str) -> threading.Event:
+        """The event ``path``'s remover waits on while the root promotes (set: go)."""
+        if path not in self._gates:
+            self._gates[path] = threading.Event()
+            self._gates[path].set()
+            self._pausing[path] = 0
+        return self._gates[path]
 
     def kick(self, root: RootConfig) -> None:
         """There is something new to delete in ``root``; never blocks."""

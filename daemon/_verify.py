@@ -15,7 +15,7 @@ import msgspec
 
 from orchestrator.protocol import ATTEMPT_MARKER, FileEntry
 
-from ._attempts import read_marker
+from ._attempts import TRASH, read_marker
 from ._config import RootConfig
 from ._dcpmeta import check_dcp_dir
 from ._errors import VerificationError
@@ -57,6 +57,7 @@ def scan_save(
     world_size: int,
     reported: dict[int, tuple[FileEntry, ...]],
     attempt: str = "",
+    source: str | None = None,
 ) -> Manifest:
     """Check that ``tmp_step_N`` holds a complete checkpoint; describe it.
 
@@ -69,7 +70,7 @@ def scan_save(
     Raises:
         VerificationError: with every problem found (up to a bound), joined by ``; ``.
     """
-    tmp = root.tmp_dir(step)
+    tmp = source or root.tmp_dir(step)
     real_tmp = _checked_tmp(root, tmp)
     files: dict[str, int] = {}
     dirs: list[str] = []
@@ -218,7 +219,9 @@ def _checked_tmp(root: RootConfig, tmp: str) -> str:
     if not stat.S_ISDIR(st.st_mode):
         raise VerificationError(f"{tmp} is not a directory")
     real_tmp = os.path.realpath(tmp)
-    if os.path.dirname(real_tmp) != os.path.realpath(root.path):
+    real_root = os.path.realpath(root.path)
+    # The save's own tmp directory, or a failed attempt's set aside in the root's trash.
+    if os.path.dirname(real_tmp) not in (real_root, os.path.join(real_root, TRASH)):
         raise VerificationError(f"{tmp} resolves to {real_tmp}, outside root {root.path}")
     return real_tmp
 

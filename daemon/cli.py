@@ -31,6 +31,7 @@ from ._lifecycle import serve
 from ._promoter import latest_promoted, read_pointer
 from ._server import VERSION
 from ._verify import MANIFEST_NAME, Manifest, verify_checkpoint
+from .retention import cli as retention_cli
 
 __all__ = ["main"]
 
@@ -148,6 +149,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     gc.add_argument("root")
     gc.add_argument("--yes", action="store_true", help="remove them")
+    gc.add_argument(
+        "--policy",
+        action="store_true",
+        help="show the checkpoints the retention policy would retire (retire them with --yes)",
+    )
+    retention_cli.add_commands(command, _call, _refused)
     add_commands(sub, command)
     return parser
 
@@ -278,6 +285,7 @@ def _ls(args: argparse.Namespace) -> int:
     root = _root_layout(args, status)
     known = {s["step"]: s for s in (status or {}).get("saves", []) if s["root"] == root.path}
     latest = read_pointer(root)
+    kept = retention_cli.kept_column(_retention(args, root) if status else None)
     rows: list[dict[str, Any]] = []
     for name in sorted(os.listdir(root.path)):
         full = os.path.join(root.path, name)
@@ -291,6 +299,7 @@ def _ls(args: argparse.Namespace) -> int:
                     "bytes": manifest.bytes if manifest else None,
                     "files": len(manifest.files) if manifest else None,
                     "latest": step == latest,
+                    **({"kept": kept[step]} if step in kept else {}),
                 }
             )
         elif (step := root.parse_step(name, root.tmp_prefix)) is not None:
@@ -310,19 +319,28 @@ def _ls(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     _table(
-        ["STEP", "STATE", "SIZE", "FILES", "PATH"],
+        ["STEP", "STATE", "SIZE", "FILES", *(["KEPT"] if kept else []), "PATH"],
         [
             [
                 str(r["step"]) + (" *" if r["latest"] else ""),
                 r["state"],
                 _human(r.get("bytes")),
                 "" if r.get("files") is None else str(r["files"]),
+                *([r.get("kept", "")] if kept else []),
                 r["path"] + (f"  ({r['reason']})" if r.get("reason") else ""),
             ]
             for r in rows
         ],
     )
     return 0
+
+
+def _retention(args: argparse.Namespace, root: RootConfig) -> dict[str, Any] | None:
+    """The daemon's judgement of the root's steps (``retention``), if it answers."""
+    try:
+        return _call(args, p.Retention(id=1, root=root.path), 30.0)
+    except _Unreachable:
+        return None
 
 
 def _set_aside_rows(root: RootConfig, known: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -433,6 +451,8 @@ def _promote(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
+    if args.policy:
+        return retention_cli.policy_report(args, _call, _refused)
     root = os.path.abspath(args.root)
     reply = _call(args, p.Gc(id=1, root=root, remove=args.yes), 600.0)
     if not reply["ok"]:

@@ -14,7 +14,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
 import msgspec
@@ -183,13 +183,30 @@ class CheckpointClient:
         """
         return self._layouts.known(root, step)
 
-    def done(self, root: str, step: int, rank: int, files: Iterable[p.FileEntry] = ()) -> None:
+    def done(
+        self,
+        root: str,
+        step: int,
+        rank: int,
+        files: Iterable[p.FileEntry] = (),
+        *,
+        metrics: Mapping[str, float] | None = None,
+    ) -> None:
         """Report that this rank's writes for ``step`` have all landed. Never blocks.
 
         Sent once the rank's ``begin`` of the step is answered, naming its attempt;
-        not at all if that ``begin`` was refused.
+        not at all if that ``begin`` was refused. ``metrics`` (name to number) go
+        with it: the step's once it is promoted, for the root's retention policy.
         """
-        self._channel.post(p.Done(id=0, root=root, step=step, rank=rank, files=list(files)))
+        done = p.Done(
+            id=0,
+            root=root,
+            step=step,
+            rank=rank,
+            files=list(files),
+            metrics=dict(metrics) if metrics else None,
+        )
+        self._channel.post(done)
 
     def fail(self, root: str, step: int, rank: int, reason: str) -> None:
         """Report that this rank's save of ``step`` failed. Never blocks.
@@ -387,6 +404,39 @@ class CheckpointClient:
             error = reply.get("error") or {}
             raise DaemonError(str(error.get("code")), str(error.get("message")))
         return reply
+
+    def score(
+        self, root: str, step: int, metrics: Mapping[str, float], timeout: float = 10.0
+    ) -> None:
+        """Record metrics of promoted ``step`` (an evaluation job scoring it). Blocks.
+
+        Raises:
+            DaemonError: refused (``not_found``: no such promoted step; ``invalid_field``)
+                or no answer within ``timeout``.
+        """
+        self.call(p.Score(id=0, root=root, step=step, metrics=dict(metrics)), timeout)
+
+    def pin(self, root: str, step: int, *, pinned: bool = True, timeout: float = 10.0) -> None:
+        """Pin ``step`` (never retired until unpinned), or unpin it. Blocks.
+
+        Raises:
+            DaemonError: refused (``not_found``) or no answer within ``timeout``.
+        """
+        request = p.Pin if pinned else p.Unpin
+        self.call(request(id=0, root=root, step=step), timeout)
+
+    def hold(self, root: str, step: int, ttl: float, timeout: float = 10.0) -> None:
+        """Keep promoted ``step`` for ``ttl`` seconds from now, whatever the policy. Blocks.
+
+        For a reader such as an evaluation job: hold the checkpoint before reading it,
+        renew the hold while reading takes longer, release it (``ttl=0``) when done.
+        A hold survives a restart of the daemon.
+
+        Raises:
+            DaemonError: refused (``not_found``: not a promoted step; ``invalid_state``:
+                being retired right now) or no answer within ``timeout``.
+        """
+        self.call(p.Hold(id=0, root=root, step=step, ttl=ttl), timeout)
 
     def wait(self, root: str, step: int, timeout: float) -> p.WaitReply:
         """Block until ``step`` is promoted or failed, or ``timeout`` passes.

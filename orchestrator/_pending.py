@@ -14,7 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,10 +124,19 @@ class PendingBegin:
 
         self._future.add_done_callback(check)
 
-    def report_done(self, files: Iterable[p.FileEntry]) -> None:
+    def report_done(
+        self, files: Iterable[p.FileEntry], metrics: Mapping[str, float] | None = None
+    ) -> None:
         """Send this save's ``done`` (after its ``begin`` is answered). Never blocks."""
         record = self._record
-        done = p.Done(id=0, root=record.root, step=record.step, rank=record.rank, files=list(files))
+        done = p.Done(
+            id=0,
+            root=record.root,
+            step=record.step,
+            rank=record.rank,
+            files=list(files),
+            metrics=dict(metrics) if metrics else None,
+        )
         self._channel.post(done, None, record)
 
     def report_fail(self, reason: str) -> None:

@@ -15,9 +15,10 @@ A handle needs little of the client that began it: the :class:`SaveLink` protoco
 
 from __future__ import annotations
 
+import math
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from typing import Any, Protocol
 
@@ -87,7 +88,9 @@ class SaveLink(Protocol):
         """Have ``callback`` called if the daemon refuses the save's ``begin``."""
         ...
 
-    def report_done(self, files: Iterable[FileEntry]) -> None:
+    def report_done(
+        self, files: Iterable[FileEntry], metrics: Mapping[str, float] | None = None
+    ) -> None:
         """Send the save's ``done`` with the files this rank wrote. Never blocks."""
         ...
 
@@ -132,6 +135,7 @@ class SaveHandle:
         self._sealed = False
         self._finished = False
         self._files: list[FileEntry] = []
+        self._metrics: dict[str, float] = {}
         self._settled = threading.Event()
         link.when_refused(self._refused)
 
@@ -229,6 +233,28 @@ class SaveHandle:
         with self._lock:
             self._files.extend(files)
 
+    def add_metrics(self, metrics: Mapping[str, float]) -> None:
+        """Record metrics of this checkpoint, sent with its ``done`` (e.g. ``val_loss``).
+
+        The daemon keeps them with the step once it is promoted; a root's retention
+        policy (``keep_best``) and its ``best`` pointer judge by them. Later values of a
+        name replace earlier ones.
+
+        Raises:
+            ValueError: a value is not a finite number.
+            RuntimeError: the handle already reported.
+        """
+        values: dict[str, float] = {}
+        for name, value in metrics.items():
+            number = float(value)
+            if not math.isfinite(number):
+                raise ValueError(f"metric {name!r} is not finite: {value!r}")
+            values[str(name)] = number
+        with self._lock:
+            if self._finished:
+                raise RuntimeError("SaveHandle.add_metrics after the save was reported")
+            self._metrics.update(values)
+
     def seal(self) -> None:
         """No more parts: report ``done`` once every tracked future has succeeded."""
         with self._lock:
@@ -281,7 +307,7 @@ class SaveHandle:
             self._send_done()
 
     def _send_done(self) -> None:
-        self._link.report_done(self._files)
+        self._link.report_done(self._files, self._metrics or None)
         self._settle()
 
     def _settle(self) -> None:

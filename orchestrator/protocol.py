@@ -40,6 +40,15 @@ __all__ = [
     "GcReply",
     "Health",
     "HealthReply",
+    "Hold",
+    "MetricName",
+    "Metrics",
+    "Pin",
+    "RetentionInfo",
+    "RetentionReply",
+    "RetentionStep",
+    "Score",
+    "Unpin",
     "Latest",
     "LatestReply",
     "Ping",
@@ -50,6 +59,7 @@ __all__ = [
     "RankState",
     "RootInfo",
     "Request",
+    "Retention",
     "SaveInfo",
     "SaveState",
     "StallInfo",
@@ -112,6 +122,11 @@ RequestId = Annotated[int, msgspec.Meta(ge=-_I64, le=_I64)]
 Seconds = Annotated[float, msgspec.Meta(ge=0, le=7 * 24 * 3600)]
 AttemptId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
 """An attempt's id: what the daemon put in the ``begin`` reply (1-64 of ``A-Za-z0-9._-``)."""
+MetricName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:/@+-]{1,128}$")]
+"""A metric's name: 1-128 of ``A-Za-z0-9_.:/@+-`` (``val_loss``, ``val:accuracy``)."""
+Metrics = Annotated[dict[MetricName, float], msgspec.Meta(max_length=256)]
+"""Metrics of a checkpoint: name to number, at most 256 (non-finite values are refused)."""
+HoldSeconds = Annotated[float, msgspec.Meta(ge=0, le=30 * 24 * 3600)]
 
 
 class ErrorCode(enum.StrEnum):
@@ -236,6 +251,9 @@ class Done(_Request, frozen=True, tag="done"):
     rank: Rank
     files: Annotated[list[FileEntry], msgspec.Meta(max_length=_MAX_FILES)] = []
     attempt: AttemptId | None = None
+    metrics: Metrics | None = None
+    """The checkpoint's metrics (e.g. ``{"val_loss": 1.25}``), kept for retention's
+    ``keep_best`` once the step is promoted; merged over the ranks' ``done``s."""
 
 
 class Fail(_Request, frozen=True, tag="fail"):
@@ -302,7 +320,61 @@ class Health(_Request, frozen=True, tag="health"):
     """
 
 
-Request = Ping | Begin | Done | Fail | Wait | Status | Latest | Subscribe | Gc | Promote | Health
+class Score(_Request, frozen=True, tag="score"):
+    """Record metrics of a promoted step (an evaluation job scoring it later)."""
+
+    root: PathStr
+    step: Step
+    metrics: Metrics
+
+
+class Pin(_Request, frozen=True, tag="pin"):
+    """Keep ``step`` whatever the retention policy says, until ``unpin``."""
+
+    root: PathStr
+    step: Step
+
+
+class Unpin(_Request, frozen=True, tag="unpin"):
+    """Undo ``pin``: the step is judged by the retention policy again."""
+
+    root: PathStr
+    step: Step
+
+
+class Hold(_Request, frozen=True, tag="hold"):
+    """Keep ``step`` for ``ttl`` seconds from now (a reader using it); ``ttl`` 0 releases."""
+
+    root: PathStr
+    step: Step
+    ttl: HoldSeconds
+
+
+class Retention(_Request, frozen=True, tag="retention"):
+    """What the root's retention policy keeps and why; with ``apply``, run it now."""
+
+    root: PathStr
+    apply: bool = False
+
+
+Request = (
+    Ping
+    | Begin
+    | Done
+    | Fail
+    | Wait
+    | Status
+    | Latest
+    | Subscribe
+    | Gc
+    | Promote
+    | Score
+    | Pin
+    | Unpin
+    | Hold
+    | Retention
+    | Health
+)
 """Every message a client may send."""
 
 
@@ -478,12 +550,66 @@ class GcReply(_Reply, frozen=True, kw_only=True):
     the daemon only forgets."""
 
 
+class RetentionStep(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One ``step_N`` of a root, as the retention policy judges it."""
+
+    step: int
+    kept: list[str] = []
+    """Why it is kept (``newest``, a pointer's name, ``last-K``, ``every-N``, ``best-K``,
+    ``unscored``, ``pinned``, ``held``, ``incomplete``); empty when it would be retired."""
+    retire: str | None = None
+    """When it would be retired: the rules that let it go."""
+    metrics: dict[str, float] = {}
+    pinned: bool = False
+    held_for_s: float | None = None
+    """Seconds its hold has left."""
+
+
+class RetentionInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A root's retention policy, in the form ``ckptd ls`` shows it."""
+
+    policy: str
+    """The rules, e.g. ``keep_last=3 keep_best=2:val_loss:min``; "" when none is set."""
+    best: int | None = None
+    """The step the ``best`` pointer names (by the policy's ``keep_best`` metric)."""
+    best_pointer: str | None = None
+    """The best pointer's name (``best``)."""
+    prunes: bool = True
+    """Whether this daemon prunes the root (on a shared root only the leader does)."""
+
+
+class RetentionReply(_Reply, frozen=True, kw_only=True):
+    """Reply to ``retention``: every ``step_N`` of the root, judged; what was retired."""
+
+    info: RetentionInfo
+    steps: list[RetentionStep]
+    retired: list[int] = []
+    """With ``apply``: the steps moved into the trash by this request."""
+
+
 _request_decoder: Final = msgspec.json.Decoder(Request)
 _envelope_decoder: Final = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _encoder: Final = msgspec.json.Encoder()
 _OPS: Final = frozenset(
     str(t.__struct_config__.tag)
-    for t in (Ping, Begin, Done, Fail, Wait, Status, Latest, Subscribe, Gc, Promote, Health)
+    for t in (
+        Ping,
+        Begin,
+        Done,
+        Fail,
+        Wait,
+        Status,
+        Latest,
+        Subscribe,
+        Gc,
+        Promote,
+        Score,
+        Pin,
+        Unpin,
+        Hold,
+        Retention,
+        Health,
+    )
 )
 
 

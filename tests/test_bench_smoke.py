@@ -20,6 +20,7 @@ from bench import (
     metrics,
     multinode,
     promotion,
+    retention,
     stall,
     throughput,
 )
@@ -62,6 +63,11 @@ class TestInProcessBenchmarks:
 
     def test_footprint(self) -> None:
         well_formed(footprint.run(starts=1, connections=16, steps=50), "footprint")
+
+    def test_retention(self) -> None:
+        result = retention.run(files=2000, rounds=1)
+        well_formed(result, "retention")
+        assert result.raw["next_ms"] and result.raw["baseline_ms"]
 
 
 @pytest.mark.slow

@@ -31,6 +31,7 @@ op = st.one_of(
     st.tuples(st.just("remote"), st.sampled_from([5, 6]), st.booleans()),
     st.tuples(st.just("learned"), st.sampled_from([5, 6]), st.booleans()),
     st.tuples(st.just("span_rescue"), st.sampled_from([5, 6])),
+    st.tuples(st.just("set_aside"), st.sampled_from([0, 1, 5])),
 )
 
 
@@ -49,6 +50,7 @@ def _fingerprint(ledger: Ledger) -> dict[SaveKey, Any]:
             save.marked,
             save.learned,
             save.fenced,
+            save.set_aside,
         )
         for save in ledger
     }
@@ -114,6 +116,11 @@ def _run(ops: list[tuple[Any, ...]]) -> tuple[Ledger, list[JournalRecord]]:
                     attempt = save.attempt if save is not None else ""
                     detail = f"{ROOT}/step_{step}" if promoted else "node b: oom"
                     ledger.learned(key, attempt, promoted=promoted, detail=detail, now=now)
+                case ("set_aside", step):
+                    key = SaveKey(ROOT, step)
+                    save = ledger.get(key)
+                    attempt = save.attempt if save is not None else ""
+                    ledger.set_aside(key, attempt, f"{ROOT}/.ckptd-trash/t{step}", now)
                 case ("span_rescue", step):
                     ledger.rescue(SaveKey(ROOT, step), now, attempt=f"a{step}", world_size=4)
                     verifying.add(SaveKey(ROOT, step))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -212,6 +212,7 @@ class AutomodelCheckpointManager:
         is_final_checkpoint: bool,
         peft_config: PeftConfig | None = None,
         seal: bool = True,
+        metrics: Mapping[str, float] | None = None,
     ) -> None:
         """Save a checkpoint of the model.
 
@@ -248,6 +249,9 @@ class AutomodelCheckpointManager:
             peft_config: Optional PEFT configuration (adapter-only saves).
             seal: ckptd only: seal the step when this returns (default). False keeps it
                 open for :meth:`add_files` until :meth:`seal`.
+            metrics: ckptd only: this checkpoint's metrics (e.g. ``{"val_loss": 1.3}``),
+                sent with this rank's ``done``; the daemon's retention (``keep_best``,
+                the ``best`` pointer) judges by them. See also :meth:`add_metrics`.
 
         Raises:
             SaveRefused: with the daemon, it refused the step's ``begin`` on some rank
@@ -272,6 +276,8 @@ class AutomodelCheckpointManager:
         # save before they are replaced (the daemon already has its outcome).
         self._complete_uploads()
         step = tracker.begin(weights_path, optimizer_path, tokenizer_path) if tracker else None
+        if step is not None and metrics:
+            step.handle.add_metrics(metrics)
         try:
             checkpointer.save_model(
                 model=model,
@@ -425,6 +431,23 @@ class AutomodelCheckpointManager:
         """
         if self._tracker is not None:
             self._tracker.add_files(paths)
+
+    def add_metrics(self, metrics: Mapping[str, float]) -> None:
+        """Add metrics to the open step, with the daemon (``save_checkpoint(seal=False)``).
+
+        For metrics known only after the save started (an evaluation run meanwhile);
+        sent with the step's ``done`` when it is sealed.
+
+        Raises:
+            RuntimeError: no step is open, or not using the daemon.
+            ValueError: a value is not a finite number.
+        """
+        tracker = self._tracker
+        if tracker is None or tracker.open is None:
+            raise RuntimeError(
+                "no open step: call save_checkpoint(..., seal=False) before add_metrics()"
+            )
+        tracker.open.handle.add_metrics(metrics)
 
     def seal(self) -> None:
         """Declare this rank's part of the open step complete.

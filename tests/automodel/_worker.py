@@ -476,9 +476,39 @@ def final_save(job: Job, model: Any, optimizer: Any, scheduler: Any) -> None:
     manager.close()
 
 
+def metrics(job: Job) -> None:
+    """Each step's validation loss passed through ``save_checkpoint(metrics=...)``."""
+    import torch
+
+    from tests.automodel._models import tiny_llama, train_step
+
+    manager = job.manager(
+        {"model_save_format": "torch_save", "save_consolidated": False}, is_async=True
+    )
+    say(event="ready", rank=job.rank, uses_daemon=manager.uses_daemon)
+    model = tiny_llama(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = {int(k): float(v) for k, v in (pair.split("=") for pair in job.args.losses.split(","))}
+    for step, val_loss in losses.items():
+        train_step(model, optimizer, seed=step)
+        tmp = job.init_tmp_checkpoint(step, {"step": step, "val_reward": -val_loss})
+        policy = os.path.join(tmp, "policy")
+        manager.save_checkpoint(
+            model,
+            os.path.join(policy, "weights"),
+            optimizer,
+            os.path.join(policy, "optimizer"),
+            is_final_checkpoint=False,
+            metrics={"val_loss": val_loss},
+        )
+        say(event="saved", rank=job.rank, step=step)
+    manager.close()
+    job.barrier()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["roundtrip", "loop", "refused", "nodes"])
+    parser.add_argument("scenario", choices=["roundtrip", "loop", "refused", "nodes", "metrics"])
     parser.add_argument("--root", required=True)
     parser.add_argument("--side", default="", help="directory for reference tensors")
     parser.add_argument("--format", default="torch_save")
@@ -489,6 +519,7 @@ def main() -> None:
     parser.add_argument("--hold-file-step", type=int, default=-1)
     parser.add_argument("--final-step", type=int, default=-1, help="a final safetensors save")
     parser.add_argument("--local-world-size", type=int, default=-1, help="-1: from the env")
+    parser.add_argument("--losses", default="", help="STEP=VAL_LOSS,... (the metrics scenario)")
     args = parser.parse_args()
     job = Job(args)
     if args.scenario == "roundtrip":
@@ -499,6 +530,8 @@ def main() -> None:
         refused(job)
     elif args.scenario == "nodes":
         nodes(job)
+    elif args.scenario == "metrics":
+        metrics(job)
     else:
         loop(job)
     import torch.distributed as dist

@@ -81,9 +81,12 @@ class AckLoggingClient(orchestrator.CheckpointClient):
         super().__init__(*args, **kwargs)
         self.reporters: list[threading.Thread] = []
 
-    def done(self, root: str, step: int, rank: int, files: Any = ()) -> None:
+    def done(
+        self, root: str, step: int, rank: int, files: Any = (), *, metrics: Any = None
+    ) -> None:
         """See :meth:`CheckpointClient.done`."""
-        self._report(p.Done(id=0, root=root, step=step, rank=rank, files=list(files)))
+        done = p.Done(id=0, root=root, step=step, rank=rank, files=list(files), metrics=metrics)
+        self._report(done)
 
     def fail(self, root: str, step: int, rank: int, reason: str) -> None:
         """See :meth:`CheckpointClient.fail`."""

@@ -1,0 +1,140 @@
+"""The retention requests: ``score``, ``pin``, ``unpin``, ``hold`` and ``retention``.
+
+Each is checked against the disk (the step must be there) in the root's lane, changes
+:class:`~daemon.retention.state.RetentionState` with no ``await`` between the check that
+the step is not being retired and the change, is journaled before the reply, and kicks
+the root's pass. A pin or hold whose step vanished meanwhile is undone and refused.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING
+
+from orchestrator import protocol as p
+
+from .._config import RootConfig
+from .._errors import RequestError
+from .._host import Host
+from .._saves import SaveKey
+
+if TYPE_CHECKING:
+    from .applier import Retention
+
+__all__ = ["answer"]
+
+
+async def answer(
+    retention: Retention, daemon: Host, request: p.Score | p.Pin | p.Unpin | p.Hold | p.Retention
+) -> p.Ack | p.RetentionReply:
+    """Answer ``score``, ``pin``, ``unpin``, ``hold`` or ``retention``.
+
+    Raises:
+        RequestError: the step is not there (``not_found``), is being retired
+            (``invalid_state``), a value is bad (``invalid_field``), or the change
+            could not be journaled (``unavailable``).
+    """
+    root = daemon.configured(request.root)
+    if isinstance(request, p.Retention):
+        return await _report(retention, request, root)
+    key = SaveKey(root.path, request.step)
+    match request:
+        case p.Score(metrics=metrics):
+            await _require_promoted(daemon, root, key)
+            retention.state.score(key, metrics)
+        case p.Unpin():
+            retention.state.pin(key, False)
+        case p.Pin():
+            _not_retiring(retention, key)
+            changed = retention.state.pin(key, True)
+            if not await _exists(daemon, root, key, in_flight=True):
+                if changed:
+                    retention.state.pin(key, False)
+                raise RequestError(
+                    p.ErrorCode.NOT_FOUND, f"{root.final_dir(key.step)} does not exist"
+                )
+        case p.Hold(ttl=ttl):
+            now = time.time()
+            if ttl > 0:
+                _not_retiring(retention, key)
+                before = retention.state.held_until(key, now)
+                retention.state.hold(key, now + ttl, now)
+                if not await _exists(daemon, root, key, in_flight=False):
+                    retention.state.hold(key, before or 0.0, now)
+                    raise RequestError(
+                        p.ErrorCode.NOT_FOUND,
+                        f"{root.final_dir(key.step)} is not a promoted checkpoint",
+                    )
+            else:
+                retention.state.hold(key, 0.0, now)
+    await daemon.commit([])
+    retention.kick(root.path)
+    return p.Ack(id=request.id)
+
+
+def _not_retiring(retention: Retention, key: SaveKey) -> None:
+    if retention.retiring(key):
+        raise RequestError(p.ErrorCode.INVALID_STATE, f"step {key.step} is being retired right now")
+
+
+async def _exists(daemon: Host, root: RootConfig, key: SaveKey, *, in_flight: bool) -> bool:
+    save = daemon.ledger.get(key)
+    if (
+        in_flight
+        and save is not None
+        and save.state
+        not in (
+            p.SaveState.PROMOTED,
+            p.SaveState.FAILED,
+        )
+    ):
+        return True
+    lanes = daemon.lanes
+    if await lanes.run(root.path, os.path.isdir, root.final_dir(key.step), abandon=True):
+        return True
+    return in_flight and await lanes.run(
+        root.path, os.path.isdir, root.tmp_dir(key.step), abandon=True
+    )
+
+
+async def _require_promoted(daemon: Host, root: RootConfig, key: SaveKey) -> None:
+    if not await _exists(daemon, root, key, in_flight=False):
+        raise RequestError(
+            p.ErrorCode.NOT_FOUND, f"{root.final_dir(key.step)} is not a promoted checkpoint"
+        )
+
+
+async def _report(retention: Retention, request: p.Retention, root: RootConfig) -> p.RetentionReply:
+    config = root.retention
+    if config is None:
+        info = p.RetentionInfo(policy="", prunes=False)
+        return p.RetentionReply(id=request.id, info=info, steps=[])
+    try:
+        verdicts, best, gone = await retention.run_pass(root, apply=request.apply)
+    except OSError as exc:
+        raise RequestError(
+            p.ErrorCode.INVALID_STATE, f"cannot judge {root.path}: {exc.strerror or exc}"
+        ) from None
+    now = time.time()
+    steps = []
+    for v in verdicts:
+        key = SaveKey(root.path, v.step)
+        held = retention.state.held_until(key, now)
+        steps.append(
+            p.RetentionStep(
+                step=v.step,
+                kept=list(v.kept),
+                retire=v.retire,
+                metrics=retention.state.metrics(key),
+                pinned=retention.state.pinned(key),
+                held_for_s=None if held is None else round(held - now, 3),
+            )
+        )
+    info = p.RetentionInfo(
+        policy=config.policy.describe(),
+        best=best,
+        best_pointer=config.best_pointer,
+        prunes=retention.prunes(root),
+    )
+    return p.RetentionReply(id=request.id, info=info, steps=steps, retired=gone)
