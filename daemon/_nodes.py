@@ -130,6 +130,16 @@ class Nodes:
             with anyio.move_on_after(min(root.poll_interval, left)):
                 await event.wait()
 
+    def watch(self, save: SaveRecord) -> None:
+        """Watch the shared directory for ``save`` from the moment this node joins it.
+
+        The leader takes other nodes' markers (a failure fails the step while its own
+        ranks still write); every other node watches for the outcome, so a node whose
+        ranks hang still learns the leader's verdict.
+        """
+        if save.spans and save.state is p.SaveState.OPEN:
+            self.start(Watch(save.key))
+
     def announce(self, root: RootConfig, save: SaveRecord) -> None:
         """Say in the shared directory that this node writes ``save`` (best effort)."""
         token = (save.key, save.attempt)
@@ -245,10 +255,11 @@ class Nodes:
             if save is None:
                 return
             root = self._daemon.configured(key.root)
+            if not (save.leader and save.state is p.SaveState.OPEN):
+                await self.follow(root, save)
+            # A node turns out to lead once global rank 0 begins on it.
             if save.leader and save.state is p.SaveState.OPEN:
                 await self._gather(root, save)
-            else:
-                await self.follow(root, save)
         finally:
             self._watching.discard(key)
 
@@ -288,6 +299,8 @@ class Nodes:
             while (now := daemon.ledger.get(key)) is not None and now.attempt == attempt:
                 if now.state not in (p.SaveState.OPEN, p.SaveState.VERIFYING):
                     return
+                if now.leader and now.state is p.SaveState.OPEN:
+                    return  # global rank 0 began here: this node leads, and gathers
                 if await self._learn(root, now):
                     return
                 if now.state is p.SaveState.VERIFYING and self.promote is not None:

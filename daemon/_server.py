@@ -412,6 +412,7 @@ class Daemon:
                 await self.attempt_dirs.ready(root, save)
             else:  # the leader's marker is there: only the leader prepares the directory
                 self.nodes.announce(root, save)
+            self.nodes.watch(save)
         if save.state is p.SaveState.FAILED:
             raise RequestError(p.ErrorCode.STEP_FAILED, f"step {key.step} failed: {save.reason}")
         return p.BeginReply(

@@ -278,16 +278,15 @@ class SpanningLedger:
     def resume(self) -> list[Effect]:
         """After a restart: what each spanning save in flight still needs.
 
-        A node whose ranks were all done but whose marker was not journaled writes it
-        (again: the same content); one whose marker was durable watches again.
+        Every one watches the shared directory again; a node whose ranks were all done
+        but whose marker was not journaled also writes it (again: the same content).
         """
         effects: list[Effect] = []
         for save in self._saves.values():
             if save.state is not SaveState.OPEN or not save.spans:
                 continue
-            if save.marked:
-                effects.append(Watch(save.key))
-            elif save.locally_done():
+            effects.append(Watch(save.key))
+            if not save.marked and save.locally_done():
                 effects.append(MarkNode(save.key))
         return effects
 

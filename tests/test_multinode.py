@@ -14,8 +14,6 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-
 from tests._node_jobs import (
     SETTLE,
     Job,
@@ -137,12 +135,6 @@ class TestMissingNode:
         finally:
             job.close()
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="a node whose ranks are still writing does not watch the shared directory "
-        "(Watch comes only after its own marker), so it never learns the leader's "
-        "node_timeout verdict while its ranks hang",
-    )
     def test_the_node_still_writing_learns_the_failure(self, make_cluster: MakeCluster) -> None:
         nodes = make_cluster(3)
         nodes.start_daemons(settings={"node_timeout": 2.0})
@@ -256,11 +248,12 @@ class TestContradictions:
                 assert r.begin(1)["ok"]
             for r in ranks[:2]:  # the leader's own ranks are done: it reads the others
                 assert r.save(1)["ok"]
-            # The leader fails it. (Node 1, its rank still writing, learns it only once
-            # it writes its own marker: TestMissingNode's strict xfail.)
+            # The leader fails it; node 1, its rank still writing, learns it too.
             answer = nodes[0].wait(nodes.root, 1, 30.0)
             assert answer["state"] == "failed", answer
             assert "local world sizes cannot add up" in answer["reason"], answer
+            other = nodes[1].wait(nodes.root, 1, 30.0)
+            assert other["state"] == "failed", other
             the_daemon(nodes[0]).wait_event(
                 "checkpoint.failed", 10.0, match=lambda e: e.get("step") == 1
             )
