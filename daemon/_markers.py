@@ -175,7 +175,10 @@ def read_markers_in(tmp: str, seen: Seen) -> list[NodeMarker]:
             continue
         marker = _read(entry.path, NodeMarker)
         if marker is not None:
-            seen[entry.name] = tag
+            # A writing marker is read again at every look: its replacement by the done
+            # one can keep the cached attributes (on NFS, open() sees it first).
+            if marker.state != "writing":
+                seen[entry.name] = tag
             out.append(marker)
     return out
 
