@@ -157,6 +157,10 @@ class SaveRecord:
     """Its outcome was read from the shared directory (a node other than the leader)."""
     fenced: bool = False
     """Promoted under the shared-root fences (a spanning step rescued by an operator)."""
+    taken: set[str] = field(default_factory=set)
+    """Nodes whose done marker the leader took (rebuilt by replay)."""
+    remote: int = 0
+    """Ranks the leader has from other nodes' markers."""
     declared: dict[str, int] = field(default_factory=dict)
     """Each other node's local world size, as its markers said (the leader)."""
     writing_nodes: set[str] = field(default_factory=set)
