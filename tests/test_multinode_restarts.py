@@ -230,10 +230,7 @@ class TestShutdown:
         job.save(1)
         settles_everywhere(nodes, 1, "promoted")
         job.close()
-        for node in reversed(list(nodes)):
-            daemon = the_daemon(node)
-            code = daemon.stop(signal.SIGTERM, timeout=20.0)
-            assert code == 0, (node.name, code)
+        _stop_all(nodes)
 
     def test_sigterm_after_the_leader_marked_first(self, watched: tuple[Cluster, Job]) -> None:
         nodes, job = watched
@@ -243,10 +240,7 @@ class TestShutdown:
         job.save(1, job.on(nodes[1]) + job.on(nodes[2]))
         settles_everywhere(nodes, 1, "promoted")
         job.close()
-        for node in reversed(list(nodes)):
-            daemon = the_daemon(node)
-            code = daemon.stop(signal.SIGTERM, timeout=20.0)
-            assert code == 0, (node.name, code)
+        _stop_all(nodes)
 
     def test_followers_learn_unasked_then_stop(self, watched: tuple[Cluster, Job]) -> None:
         nodes, job = watched
@@ -276,3 +270,10 @@ class TestShutdown:
         nodes[1].restart_daemon()
         job.save(1, job.on(nodes[2]))
         settles_everywhere(nodes, 1, "promoted")
+
+
+def _stop_all(nodes: Cluster) -> None:
+    """SIGTERM every node's daemon, followers first; each must exit 0 within 20 s."""
+    for node in reversed(list(nodes)):
+        code = the_daemon(node).stop(signal.SIGTERM, timeout=20.0)
+        assert code == 0, (node.name, code)
