@@ -19,9 +19,11 @@ with ``open()`` (which revalidates on NFS, where ``stat`` may not). Blocking I/O
 from __future__ import annotations
 
 import errno
+import math
 import os
 import re
 import stat
+import time
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Final, Literal, TypeVar
@@ -98,8 +100,12 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     written: str
 
 
-Seen = dict[str, tuple[int, int, int]]
-"""Marker name -> (inode, size, mtime in ns) as last read."""
+Seen = dict[str, tuple[int, int, int, float]]
+"""Marker name -> (inode, size, mtime in ns) as last read, and when (monotonic) an
+unchanged ``writing`` marker is read again (infinity for ``done`` and ``failed``)."""
+WRITING_REREAD: Final = 1.0
+"""Seconds after which an unchanged ``writing`` marker is read again: its replacement by
+the ``done`` one can keep the cached attributes (on NFS, ``open()`` sees it first)."""
 
 
 class Outcome(msgspec.Struct, frozen=True):
@@ -171,14 +177,14 @@ def read_markers_in(tmp: str, seen: Seen) -> list[NodeMarker]:
         if not stat.S_ISREG(st.st_mode):
             continue
         tag = (st.st_ino, st.st_size, st.st_mtime_ns)
-        if seen.get(entry.name) == tag:
+        last = seen.get(entry.name)
+        now = time.monotonic()
+        if last is not None and last[:3] == tag and now < last[3]:
             continue
         marker = _read(entry.path, NodeMarker)
         if marker is not None:
-            # A writing marker is read again at every look: its replacement by the done
-            # one can keep the cached attributes (on NFS, open() sees it first).
-            if marker.state != "writing":
-                seen[entry.name] = tag
+            again = now + WRITING_REREAD if marker.state == "writing" else math.inf
+            seen[entry.name] = (*tag, again)
             out.append(marker)
     return out
 

@@ -19,7 +19,8 @@ Every blocking call runs in the root's lane, so a hung mount delays only its roo
 from __future__ import annotations
 
 import errno
-from collections.abc import Awaitable, Callable, Collection, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Coroutine
+from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any, Final
 
@@ -73,6 +74,7 @@ class Nodes:
         self.promote: Callable[[SaveKey], None] | None = None
         """Starts a promotion again (a leader whose rival claim went away)."""
         self._watches: set[anyio.CancelScope] = set()
+        self._wakers: dict[SaveKey, Waker] = {}
         self._closed = False
 
     @property
@@ -173,6 +175,9 @@ class Nodes:
         if isinstance(effect, MarkNode):
             self._spawn(self._mark, effect.key)
         elif isinstance(effect, Watch):
+            waker = self._wakers.get(effect.key)
+            if waker is not None:
+                waker.poke()  # this node's marker landed: the watcher looks again at once
             if effect.key not in self._watching and not self._closed:
                 self._watching.add(effect.key)
                 self._spawn(self._watch, effect.key)
@@ -216,7 +221,7 @@ class Nodes:
             assert isinstance(problems, list)
             if problems:
                 reason = f"node {self.node}: " + "; ".join(problems[:8])
-                await self._commit(daemon.ledger.rejected(key, reason, daemon.clock()))
+                await self._fail_here(root, save, reason)
                 return
             marker = self._marker(save, "done")
             try:
@@ -228,7 +233,7 @@ class Nodes:
                     await self.follow(root, save)
                     return
                 reason = f"node {self.node}: marker not written: {exc.strerror or exc}"
-                await self._commit(daemon.ledger.rejected(key, reason, daemon.clock()))
+                await self._fail_here(root, save, reason)
                 return
             await self._commit(daemon.ledger.node_marked(key, daemon.clock()))
 
@@ -249,6 +254,23 @@ class Nodes:
         for scope in self._watches:
             scope.cancel()
 
+    async def _fail_here(self, root: RootConfig, save: SaveRecord, reason: str) -> None:
+        """Fail ``save`` for a problem met here, unless the leader's verdict explains it.
+
+        A directory the leader set aside makes this node's files vanish: the verdict
+        (the step's real outcome) is reported then, not the symptom; this node may see
+        the directory gone a cache time before it sees the verdict, and waits for it.
+        """
+        if await self._learn(root, save):
+            return
+        tmp = root.tmp_dir(save.key.step)
+        found = await self._run(root, _attempts.read_marker, tmp)
+        if not isinstance(found, p.AttemptMarker) or found.attempt != save.attempt:
+            await self.follow(root, save)  # the directory moved on: the leader acted
+            return
+        daemon = self._daemon
+        await self._commit(daemon.ledger.rejected(save.key, reason, daemon.clock()))
+
     async def _watch(self, key: SaveKey) -> None:
         try:
             save = self._daemon.ledger.get(key)
@@ -267,7 +289,7 @@ class Nodes:
         """The leader: take the other nodes' markers until the save leaves OPEN."""
         daemon, key, attempt = self._daemon, save.key, save.attempt
         seen: Seen = {}
-        async with self._waker(root, root.tmp_dir(key.step)) as wake:
+        async with self._waker(root, root.tmp_dir(key.step), key) as wake:
             while self._open(key, attempt):
                 found = await self._run(root, _markers.read_markers, root, key.step, seen)
                 assert isinstance(found, list)
@@ -290,12 +312,12 @@ class Nodes:
                         )
                 if effects or daemon.ledger.pending_records():
                     await self._commit(effects)
-                await wake()
+                await wake(not save.marked)  # own ranks still writing: look less often
 
     async def follow(self, root: RootConfig, save: SaveRecord) -> None:
         """Every other node (or a leader that lost the claim): wait for the outcome."""
         daemon, key, attempt = self._daemon, save.key, save.attempt
-        async with self._waker(root, root.path) as wake:
+        async with self._waker(root, root.path, key) as wake:
             while (now := daemon.ledger.get(key)) is not None and now.attempt == attempt:
                 if now.state not in (p.SaveState.OPEN, p.SaveState.VERIFYING):
                     return
@@ -309,7 +331,7 @@ class Nodes:
                     if not await self._run(root, _fence.claimed, root, key.step):
                         self.promote(key)
                         return
-                await wake()
+                await wake(now.state is p.SaveState.OPEN and not now.marked)
 
     async def _learn(self, root: RootConfig, save: SaveRecord) -> bool:
         """Take the outcome of ``save``'s attempt if the shared directory has it."""
@@ -411,8 +433,19 @@ class Nodes:
         except RequestError:
             pass  # reported as journal.failed; retried on the next look or after a restart
 
-    def _waker(self, root: RootConfig, path: str) -> Waker:
+    @asynccontextmanager
+    async def _waker(
+        self, root: RootConfig, path: str, key: SaveKey
+    ) -> AsyncIterator[Callable[[bool], Awaitable[None]]]:
+        """A :class:`Waker` for ``key``'s watcher, which a ``Watch`` effect can poke."""
         mode = root.watch
         if mode == "auto":
             mode = "inotify" if root.path in self._local else "poll"
-        return Waker(path, root.poll_interval if mode == "poll" else None, self.group)
+        waker = Waker(path, root.poll_interval if mode == "poll" else None, self.group)
+        async with waker as wake:
+            self._wakers[key] = waker
+            try:
+                yield wake
+            finally:
+                if self._wakers.get(key) is waker:
+                    del self._wakers[key]

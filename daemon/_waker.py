@@ -17,6 +17,10 @@ __all__ = ["Waker"]
 
 _SAFETY_POLL: Final = 1.0
 """Seconds between looks even when watchfiles reports nothing (a missed event)."""
+WRITING_POLL: Final = 5.0
+"""Seconds between looks while this node's own ranks still write: a thousand nodes
+polling a shared filesystem every ``poll_interval`` for a whole save would load its
+server for nothing; only a failure elsewhere is looked for then, and 5 s is soon enough."""
 
 
 class Waker:
@@ -29,7 +33,7 @@ class Waker:
         self._changed = anyio.Event()
         self._stop = anyio.Event()
 
-    async def __aenter__(self) -> Callable[[], Awaitable[None]]:
+    async def __aenter__(self) -> Callable[[bool], Awaitable[None]]:
         if self._interval is None and self._group is not None:
             self._group.start_soon(self._pump)
         return self.wait
@@ -37,14 +41,24 @@ class Waker:
     async def __aexit__(self, *exc: object) -> None:
         self._stop.set()
 
-    async def wait(self) -> None:
-        """Return at the next change, or after the interval."""
-        if self._interval is not None:
-            await anyio.sleep(self._interval)
-            return
-        with anyio.move_on_after(_SAFETY_POLL):
+    async def wait(self, writing: bool = False) -> None:
+        """Return at the next change, or after the interval.
+
+        Args:
+            writing: This node's ranks still write: when polling, look only every
+                :data:`WRITING_POLL` seconds.
+        """
+        if self._interval is None:
+            interval = _SAFETY_POLL
+        else:
+            interval = max(self._interval, WRITING_POLL) if writing else self._interval
+        with anyio.move_on_after(interval):
             await self._changed.wait()
         self._changed = anyio.Event()
+
+    def poke(self) -> None:
+        """Wake the watcher now (its node's own state changed: it looks at once)."""
+        self._changed.set()
 
     async def _pump(self) -> None:
         try:
