@@ -90,7 +90,7 @@ class NodeMarker(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
 
 class Verdict(msgspec.Struct, frozen=True, kw_only=True):
-    """The leader's verdict on a failed attempt."""
+    """The leader's verdict on an attempt: failed (and why), or promoted and durable."""
 
     format: str = "ckptd-verdict/1"
     attempt: str
@@ -98,6 +98,7 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     node: str
     reason: str
     written: str
+    state: Literal["failed", "promoted"] = "failed"
 
 
 Seen = dict[str, tuple[int, int, int, float]]
@@ -111,11 +112,13 @@ the ``done`` one can keep the cached attributes (on NFS, ``open()`` sees it firs
 class Outcome(msgspec.Struct, frozen=True):
     """What the shared directory says of an attempt, as a node other than the leader sees it.
 
-    ``state`` is ``promoted`` (``detail``: the checkpoint), ``failed`` (``detail``: why) or
-    ``superseded`` (``detail``: the attempt that now owns the step's directory).
+    ``state`` is ``promoted`` (``detail``: the checkpoint), ``failed`` (``detail``: why),
+    ``superseded`` (``detail``: the attempt that now owns the step's directory) or
+    ``renamed`` (``detail``: the checkpoint, whose rename the leader has not yet said is
+    durable).
     """
 
-    state: Literal["promoted", "failed", "superseded"]
+    state: Literal["promoted", "failed", "superseded", "renamed"]
     detail: str
 
 
@@ -221,8 +224,13 @@ def verdict_path(root: RootConfig, step: int, attempt: str) -> str:
     return os.path.join(root.path, VERDICTS, f"{base}.attempt-{attempt}.json")
 
 
-def write_verdict(root: RootConfig, step: int, attempt: str, node: str, reason: str) -> None:
-    """Durably record that attempt ``attempt`` of step ``step`` failed, and why.
+def write_verdict(
+    root: RootConfig, step: int, attempt: str, node: str, reason: str, *, promoted: bool = False
+) -> None:
+    """Durably record the leader's verdict on attempt ``attempt`` of step ``step``.
+
+    It failed, and why; or, with ``promoted``, its promotion is durable (the root was
+    fsynced after the rename).
 
     Raises:
         OSError: it cannot be written.
@@ -234,32 +242,38 @@ def write_verdict(root: RootConfig, step: int, attempt: str, node: str, reason: 
         pass
     else:
         fsync_dir(root.path)
-    verdict = Verdict(attempt=attempt, step=step, node=node, reason=reason, written=now_iso())
+    state: Literal["failed", "promoted"] = "promoted" if promoted else "failed"
+    verdict = Verdict(
+        attempt=attempt, step=step, node=node, reason=reason, written=now_iso(), state=state
+    )
     write_atomic(verdict_path(root, step, attempt), msgspec.json.encode(verdict))
 
 
-def read_verdict(root: RootConfig, step: int, attempt: str) -> str | None:
-    """The reason attempt ``attempt`` failed, if the leader said so."""
-    verdict = _read(verdict_path(root, step, attempt), Verdict)
-    return None if verdict is None else verdict.reason
+def read_verdict(root: RootConfig, step: int, attempt: str) -> Verdict | None:
+    """The leader's verdict on attempt ``attempt``, if it gave one."""
+    return _read(verdict_path(root, step, attempt), Verdict)
 
 
 def read_outcome(root: RootConfig, step: int, attempt: str) -> Outcome | None:
     """What became of attempt ``attempt``, if the shared directory says yet.
 
-    Promoted: ``step_N``'s manifest names the attempt. Failed: the leader's verdict, or
-    ``step_N`` promoted from another attempt. Superseded: ``tmp_step_N`` carries another
-    attempt's marker (the leader set ours aside and a new attempt began).
+    Promoted: the leader's verdict says so, written once the rename was durable. Failed:
+    its verdict, or ``step_N`` promoted from another attempt. Superseded: ``tmp_step_N``
+    carries another attempt's marker (the leader set ours aside and a new attempt
+    began). Renamed: ``step_N``'s manifest names the attempt but no verdict says yet that
+    the rename is durable.
     """
     final = root.final_dir(step)
+    verdict = read_verdict(root, step, attempt)
+    if verdict is not None:
+        if verdict.state == "promoted":
+            return Outcome("promoted", final)
+        return Outcome("failed", verdict.reason)
     manifest = _read(os.path.join(final, _MANIFEST), _ManifestAttempt)
     if manifest is not None:
         if manifest.attempt == attempt:
-            return Outcome("promoted", final)
+            return Outcome("renamed", final)
         return Outcome("failed", f"step {step} was promoted from attempt {manifest.attempt}")
-    reason = read_verdict(root, step, attempt)
-    if reason is not None:
-        return Outcome("failed", reason)
     owner = _attempt_of(root.tmp_dir(step))
     if owner is not None and owner != attempt:
         return Outcome("superseded", owner)

@@ -39,7 +39,11 @@ from ._markers import NodeMarker, Seen
 from ._saves import Effect, MarkNode, NodeFailed, SaveKey, SaveRecord, Watch
 from ._waker import Waker
 
-__all__ = ["Nodes"]
+__all__ = ["RENAMED_TRUST", "Nodes"]
+
+RENAMED_TRUST: Final = 30.0
+"""Seconds a renamed ``step_N`` of our attempt must stand before it is believed promoted
+without the leader's verdict (the leader fsyncs the root within milliseconds)."""
 
 _SAFETY_POLL: Final = 1.0
 """Seconds between looks even when watchfiles reports nothing (a missed event)."""
@@ -75,6 +79,7 @@ class Nodes:
         """Starts a promotion again (a leader whose rival claim went away)."""
         self._watches: set[anyio.CancelScope] = set()
         self._wakers: dict[SaveKey, Waker] = {}
+        self._renamed: dict[SaveKey, float] = {}  # when step_N was first seen unconfirmed
         self._closed = False
 
     @property
@@ -339,13 +344,20 @@ class Nodes:
         outcome = await self._run(root, _markers.read_outcome, root, key.step, attempt)
         if not isinstance(outcome, _markers.Outcome):
             return False
+        if outcome.state == "renamed":
+            # Renamed, but not yet said durable: a leader that cannot write its verdict
+            # is believed once the checkpoint has stood for RENAMED_TRUST.
+            first = self._renamed.setdefault(key, daemon.clock())
+            if daemon.clock() - first < RENAMED_TRUST:
+                return False
         detail = outcome.detail
         if outcome.state == "superseded":
             detail = (
                 f"the leader set attempt {attempt} aside; attempt {detail} owns the step's "
                 "directory now"
             )
-        promoted = outcome.state == "promoted"
+        promoted = outcome.state in ("promoted", "renamed")
+        self._renamed.pop(key, None)
         effects = daemon.ledger.learned(
             key, attempt, promoted=promoted, detail=detail, now=daemon.clock()
         )
@@ -420,6 +432,7 @@ class Nodes:
     def forget(self, key: SaveKey) -> None:
         """The save settled: drop what was kept for it."""
         self._locks.pop(key, None)
+        self._renamed.pop(key, None)
         for token in [t for t in self._done_written if t[0] == key]:
             self._done_written.discard(token)
 

@@ -21,7 +21,7 @@ from anyio.abc import TaskGroup
 from orchestrator import protocol as p
 from orchestrator.protocol import FileEntry
 
-from . import _fence, _promoter
+from . import _fence, _markers, _promoter
 from ._config import RootConfig
 from ._errors import PromotionError, RequestError, VerificationError
 from ._faults import crash_point
@@ -137,6 +137,17 @@ class Promoter:
             daemon.events.emit("daemon.internal_error", "error", where="promote", error=repr(exc))
             await self._reject(key, f"internal error: {exc!r}")
             return
+        if fence is not None:
+            # The other nodes report the step promoted only on this word: written once
+            # the rename is durable, never on the sight of step_N alone.
+            try:
+                said = partial(_markers.write_verdict, promoted=True)
+                await lane.run(said, root, key.step, save.attempt, fence[0], "")
+            except OSError as exc:
+                daemon.events.emit(
+                    "node.marker_failed", "error", root=key.root, step=key.step,
+                    attempt=save.attempt, error=exc.strerror or str(exc),
+                )  # fmt: skip
         if done.pointer_error is not None:
             daemon.events.emit(
                 "pointer.failed", "error", root=key.root, step=key.step, reason=done.pointer_error

@@ -292,6 +292,25 @@ class TestRestarts:
         assert len(promoted) == 1
 
 
+class TestDurableOutcome:
+    """Another node reports a spanning step promoted only once the leader's rename is durable."""
+
+    def test_a_rename_the_leader_did_not_make_durable_is_not_reported(
+        self, cluster: Callable[..., Job]
+    ) -> None:
+        # The leader dies right after the rename, before it fsyncs the root.
+        job = cluster(2, env={0: {"CKPTD_CRASH_AT": "after_rename"}})
+        assert all(r["ok"] for r in job.begin_all(1).values())
+        for rank in range(4):
+            assert job.write_and_done(1, rank)["ok"]
+        job.daemons[0].wait_event("_exit")
+        assert (job.root / "step_1").is_dir()  # renamed, not yet durable
+        assert job.wait(1, 1, timeout=1.0)["state"] == "pending"
+        job.restart(0)  # finishes the promotion: root fsync, pointer, its verdict
+        assert job.wait(1, 1)["state"] == "promoted"
+        assert job.wait(0, 1)["state"] == "promoted"
+
+
 class TestShutdown:
     """SIGTERM stops a node daemon that is watching the shared directory, and it resumes."""
 
