@@ -117,10 +117,10 @@ def _in_process(events_n: int) -> tuple[list[Row], dict[str, Any]]:
     import os
     import time
 
-    from daemon._config import Config, RootConfig
-    from daemon._events import Events, configure_logging
-    from daemon._ledger import Ledger, SaveKey
-    from daemon._metrics import Metrics
+    from daemon.base._events import Events, configure_logging
+    from daemon.config._config import Config, RootConfig
+    from daemon.ledger._ledger import Ledger, SaveKey
+    from daemon.ops._metrics import Metrics
 
     with open(os.devnull, "w") as null:
         configure_logging("info", stream=null)

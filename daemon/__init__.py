@@ -6,14 +6,14 @@ torch and never unpickles checkpoint files.
 
 from __future__ import annotations
 
-from ._config import Config, RootConfig, default_socket_path, load_config
-from ._errors import CkptdError, ConfigError, PromotionError, RequestError, VerificationError
-from ._events import Events, configure_logging
-from ._ledger import Ledger, SaveKey
-from ._lifecycle import serve
-from ._promoter import LocalStorage, Storage
-from ._server import VERSION, Daemon
-from ._verify import MANIFEST_NAME, Manifest, verify_checkpoint
+from .base._errors import CkptdError, ConfigError, PromotionError, RequestError, VerificationError
+from .base._events import Events, configure_logging
+from .config._config import Config, RootConfig, default_socket_path, load_config
+from .ledger._ledger import Ledger, SaveKey
+from .server._lifecycle import serve
+from .server._server import VERSION, Daemon
+from .store._promote import LocalStorage, Storage
+from .store._verify import MANIFEST_NAME, Manifest, verify_checkpoint
 
 __all__ = [
     "MANIFEST_NAME",

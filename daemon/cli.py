@@ -22,16 +22,16 @@ import msgspec
 
 from orchestrator import protocol as p
 
-from ._attempts import TRASH
-from ._cli_ops import add_commands
-from ._config import Config, RootConfig, default_socket_path, load_config
-from ._errors import ConfigError
-from ._events import configure_logging
-from ._lifecycle import serve
-from ._promoter import latest_promoted, read_pointer
-from ._server import VERSION
-from ._verify import MANIFEST_NAME, Manifest, verify_checkpoint
+from .base._errors import ConfigError
+from .base._events import configure_logging
+from .config._config import Config, RootConfig, default_socket_path, load_config
+from .ops._commands import add_commands
 from .retention import cli as retention_cli
+from .server._lifecycle import serve
+from .server._server import VERSION
+from .store._attempts import TRASH
+from .store._promote import latest_promoted, read_pointer
+from .store._verify import MANIFEST_NAME, Manifest, verify_checkpoint
 
 __all__ = ["main"]
 

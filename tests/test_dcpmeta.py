@@ -1,4 +1,4 @@
-"""Tests for daemon._dcpmeta: parsing DCP .metadata without unpickling it."""
+"""Tests for daemon.store._dcpmeta: parsing DCP .metadata without unpickling it."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.filesystem import (
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.state_dict_saver import save
 
-from daemon._dcpmeta import (
+from daemon.store._dcpmeta import (
     DcpMetadataError,
     Global,
     Instance,

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from daemon._metrics import FAILURE_REASONS
+from daemon.ops._metrics import FAILURE_REASONS
 from tests._system import require_tool
 from tests.conftest import REPO
 

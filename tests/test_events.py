@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import structlog
 
-from daemon._events import STDOUT_BUFFER, configure_logging, flush_logging
+from daemon.base._events import STDOUT_BUFFER, configure_logging, flush_logging
 from tests.conftest import REPO, LineClient
 
 _FLOOD = 3 * STDOUT_BUFFER // 100  # request.rejected lines (> 100 bytes each): 3x the buffer

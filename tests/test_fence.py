@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from daemon._config import RootConfig
-from daemon._fence import ClaimedError, claim, pointer_lock, release
-from daemon._promoter import LocalStorage, _advance_pointer, read_pointer
+from daemon.config._config import RootConfig
+from daemon.store._fence import ClaimedError, claim, pointer_lock, release
+from daemon.store._promote import LocalStorage, _advance_pointer, read_pointer
 from tests._fuse import CACHING, bindfs_mount
 
 

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from daemon._framing import LineSocket
+from daemon.server._framing import LineSocket
 
 _READ = 256 * 1024
 """Most an event loop reads from a socket at once (asyncio and uvloop)."""

@@ -24,13 +24,13 @@ import pytest
 from anyio.abc import SocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from daemon._config import Config, RootConfig, load_config
-from daemon._errors import ConfigError
-from daemon._lanes import Lane
-from daemon._lifecycle import serve
-from daemon._promoter import LocalStorage
-from daemon._server import Daemon
+from daemon.base._errors import ConfigError
 from daemon.cli import main
+from daemon.config._config import Config, RootConfig, load_config
+from daemon.server._lifecycle import serve
+from daemon.server._server import Daemon
+from daemon.store._lanes import Lane
+from daemon.store._promote import LocalStorage
 from tests._fuse import BindMount, bindfs_mount
 from tests.conftest import DaemonProcess, LineClient
 

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon._journal import (
+from daemon.ledger._records import (
     JBegin,
     JDone,
     JFail,

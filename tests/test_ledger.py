@@ -1,4 +1,4 @@
-"""Tests for daemon._ledger: the pure state machine that decides when a save may be promoted.
+"""Tests for daemon.ledger._ledger: the pure state machine that decides when a save may be promoted.
 
 No I/O and no clock: every test passes the time in as a float and reads the effects the
 ledger returns.
@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from daemon._errors import RequestError
-from daemon._journal import JBegin
-from daemon._ledger import Effect, Emit, Ledger, SaveKey, SetAside, Settled, Verify
+from daemon.base._errors import RequestError
+from daemon.ledger._ledger import Effect, Emit, Ledger, SaveKey, SetAside, Settled, Verify
+from daemon.ledger._records import JBegin
 from orchestrator.protocol import ErrorCode, FileEntry, RankState, SaveState
 
 ROOT = "/ckpt/run-42"

@@ -7,9 +7,9 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon._errors import RequestError
-from daemon._journal import JournalRecord, frame, parse
-from daemon._ledger import Ledger, SaveKey, Verify
+from daemon.base._errors import RequestError
+from daemon.ledger._ledger import Ledger, SaveKey, Verify
+from daemon.ledger._records import JournalRecord, frame, parse
 from orchestrator.protocol import FileEntry, SaveState
 
 ROOT = "/ckpt/run"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from daemon._errors import RequestError
-from daemon._ledger import Ledger, SaveKey, Verify
-from daemon._saves import Emit, MarkNode, NodeFailed, SetAside, Watch
+from daemon.base._errors import RequestError
+from daemon.ledger._ledger import Ledger, SaveKey, Verify
+from daemon.ledger._saves import Emit, MarkNode, NodeFailed, SetAside, Watch
 from orchestrator.protocol import FileEntry, SaveState
 
 KEY = SaveKey("/ckpt/run", 7)

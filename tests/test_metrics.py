@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon._metrics import FAILURE_REASONS, failure_reason
-from daemon._server import VERSION
+from daemon.ops._metrics import FAILURE_REASONS, failure_reason
+from daemon.server._server import VERSION
 from tests._fuse import bindfs_mount
 from tests.conftest import DaemonProcess, LineClient
 

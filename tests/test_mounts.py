@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from daemon._mounts import filesystem_type, is_local, mount_table
+from daemon.store._mounts import filesystem_type, is_local, mount_table
 
 _TABLE = """\
 /dev/vda1 / ext4 rw,relatime 0 0

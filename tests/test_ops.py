@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from daemon._config_types import check_types
-from daemon._errors import ConfigError
-from daemon._server import VERSION
+from daemon.base._errors import ConfigError
 from daemon.cli import main
+from daemon.config._types import check_types
+from daemon.server._server import VERSION
 from tests._fuse import bindfs_mount
 from tests._system import require_root
 from tests.conftest import REPO, DaemonProcess, LineClient

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from daemon._attempts import prepare
-from daemon._config import RootConfig
-from daemon._errors import PromotionError, VerificationError
-from daemon._promoter import LocalStorage
-from daemon._promotion import _verify_and_promote
-from daemon._verify import MANIFEST_NAME, scan_save
+from daemon.base._errors import PromotionError, VerificationError
+from daemon.config._config import RootConfig
+from daemon.server._promotion import _verify_and_promote
+from daemon.store._attempts import prepare
+from daemon.store._promote import LocalStorage
+from daemon.store._verify import MANIFEST_NAME, scan_save
 from orchestrator.protocol import ATTEMPT_MARKER, FileEntry
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from daemon import verify_checkpoint
-from daemon._faults import POINTS
-from daemon._journal import JBegin, JDone, JIntent, Journal, JournalRecord, JPromoted
+from daemon.base._faults import POINTS
+from daemon.ledger._records import JBegin, JDone, JIntent, Journal, JournalRecord, JPromoted
 from orchestrator.protocol import FileEntry
 from tests.conftest import DaemonProcess, LineClient
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from daemon._config import Config, RootConfig
-from daemon._errors import RequestError
-from daemon._reload import LIVE, plan_reload, refusal, reloaded_root_check, summary
+from daemon.base._errors import RequestError
+from daemon.config._config import Config, RootConfig
+from daemon.ops._reload import LIVE, plan_reload, refusal, reloaded_root_check, summary
 from orchestrator.protocol import ErrorCode
 from tests._system import require_root
 from tests.conftest import DaemonProcess, LineClient

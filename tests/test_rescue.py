@@ -111,8 +111,8 @@ class TestRescueInTheLedger:
 
     @pytest.mark.parametrize("late", ["done", "fail"])
     def test_late_report_refused(self, late: str) -> None:
-        from daemon._errors import RequestError
-        from daemon._ledger import Ledger, SaveKey
+        from daemon.base._errors import RequestError
+        from daemon.ledger._ledger import Ledger, SaveKey
         from orchestrator.protocol import ErrorCode, SaveState
 
         ledger = Ledger(lease=1.0, save_timeout=None)

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from daemon._errors import RequestError
-from daemon._journal import Journal, JournalRecord
-from daemon._saves import SaveKey
-from daemon.retention.disk import training_info_metrics
+from daemon.base._errors import RequestError
+from daemon.ledger._records import Journal, JournalRecord
+from daemon.ledger._saves import SaveKey
 from daemon.retention.state import MAX_METRICS, RetentionState
+from daemon.store._steps import training_info_metrics
 
 KEY = SaveKey("/r", 7)
 
@@ -133,9 +133,9 @@ class TestScan:
     def test_large_manifest(self, tmp_path: Path) -> None:
         import msgspec
 
-        from daemon._config import RootConfig
-        from daemon._verify import MANIFEST_NAME, Manifest
-        from daemon.retention.disk import ManifestCache, scan
+        from daemon.config._config import RootConfig
+        from daemon.store._steps import ManifestCache, scan
+        from daemon.store._verify import MANIFEST_NAME, Manifest
         from orchestrator.protocol import ATTEMPT_MARKER, AttemptMarker
 
         root = RootConfig(path=str(tmp_path), real=str(tmp_path))

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon._config import load_config
-from daemon._errors import ConfigError
+from daemon.base._errors import ConfigError
+from daemon.config._config import load_config
 from tests._system import require_root
 from tests.conftest import DaemonProcess, LineClient
 

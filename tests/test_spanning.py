@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from daemon._config import RootConfig, load_config
-from daemon._errors import ConfigError
-from daemon._fence import claim
+from daemon.base._errors import ConfigError
+from daemon.config._config import RootConfig, load_config
+from daemon.store._fence import claim
 from tests.conftest import DaemonProcess, LineClient
 
 Start = Callable[..., DaemonProcess]

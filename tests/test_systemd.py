@@ -1,4 +1,4 @@
-"""Tests for daemon._systemd against real sockets and real processes (no mocks)."""
+"""Tests for daemon.server._systemd against real sockets and real processes (no mocks)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from daemon._systemd import (
+from daemon.server._systemd import (
     listen_fds,
     notify,
     notify_ready,
@@ -193,7 +193,7 @@ class TestNotify:
     ) -> None:
         # systemd checks the sender's pid (NotifyAccess=main) from SCM_CREDENTIALS.
         receiver.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        code = "from daemon._systemd import notify_ready; assert notify_ready('up')"
+        code = "from daemon.server._systemd import notify_ready; assert notify_ready('up')"
         env = _child_env(NOTIFY_SOCKET=os.environ["NOTIFY_SOCKET"])
         with subprocess.Popen([sys.executable, "-c", code], env=env, cwd=REPO) as proc:
             data, ancdata, _, _ = receiver.recvmsg(4096, socket.CMSG_SPACE(12))

@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from .config import RetentionConfig, parse_retention
+from ..config._retention import RetentionConfig, parse_retention
 from .policy import KeepBest, Policy, StepFacts, Verdict, best_step, judge
 
 __all__ = [

@@ -34,16 +34,17 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from orchestrator import protocol as p
 
-from .._config import RootConfig
-from .._durable import fsync_dir
-from .._errors import RequestError
-from .._faults import crash_point
-from .._host import Host
-from .._journal import JournalRecord
-from .._ledger import SaveKey
-from .._promoter import read_pointer
-from .._trash import TrashRemover
-from . import disk, requests
+from ..base._errors import RequestError
+from ..base._faults import crash_point
+from ..config._config import RootConfig
+from ..host._host import Host
+from ..ledger._ledger import SaveKey
+from ..ledger._records import JournalRecord
+from ..store import _steps as disk
+from ..store._durable import fsync_dir
+from ..store._promote import read_pointer
+from ..store._trash import TrashRemover
+from . import requests
 from .policy import StepFacts, Verdict, best_step, judge, retired
 from .state import RetentionState
 

@@ -32,7 +32,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Final, Literal
+
+from ..config._retention import DEFAULT_GRACE_S, KeepBest, Policy
 
 __all__ = [
     "DEFAULT_GRACE_S",
@@ -44,47 +45,6 @@ __all__ = [
     "judge",
     "retired",
 ]
-
-DEFAULT_GRACE_S: Final = 3600.0
-"""Seconds an unscored checkpoint is kept for an evaluation job to score it."""
-
-
-@dataclass(frozen=True, slots=True)
-class KeepBest:
-    """Keep the ``k`` best complete checkpoints by ``metric``."""
-
-    k: int
-    """How many to keep (at least 1)."""
-    metric: str
-    """The metric's name, as ``done``, ``score`` or ``training_info.json`` give it."""
-    mode: Literal["min", "max"]
-    """``min``: lower is better (a loss); ``max``: higher is better (a reward)."""
-    grace_s: float = DEFAULT_GRACE_S
-    """Seconds after its promotion an unscored checkpoint is kept, awaiting a score."""
-
-    def describe(self) -> str:
-        """The rule as ``ckptd ls`` and events show it: ``best=2:val_loss:min``."""
-        return f"keep_best={self.k}:{self.metric}:{self.mode}"
-
-
-@dataclass(frozen=True, slots=True)
-class Policy:
-    """A root's keep rules; a rule left None does not keep anything."""
-
-    keep_last: int | None = None
-    keep_every_steps: int | None = None
-    keep_best: KeepBest | None = None
-
-    def describe(self) -> str:
-        """The rules in one line, e.g. ``keep_last=3 keep_every_steps=1000``."""
-        parts = []
-        if self.keep_last is not None:
-            parts.append(f"keep_last={self.keep_last}")
-        if self.keep_every_steps is not None:
-            parts.append(f"keep_every_steps={self.keep_every_steps}")
-        if self.keep_best is not None:
-            parts.append(self.keep_best.describe())
-        return " ".join(parts)
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 from orchestrator import protocol as p
 
-from .._config import RootConfig
-from .._errors import RequestError
-from .._host import Host
-from .._saves import SaveKey
+from ..base._errors import RequestError
+from ..config._config import RootConfig
+from ..host._host import Host
+from ..ledger._saves import SaveKey
 
 if TYPE_CHECKING:
     from .applier import Retention

@@ -19,9 +19,9 @@ from typing import Final
 
 from orchestrator.protocol import ErrorCode
 
-from .._errors import RequestError
-from .._journal import JHold, JMetrics, JournalRecord, JPin, JRetired
-from .._saves import SaveKey
+from ..base._errors import RequestError
+from ..ledger._records import JHold, JMetrics, JournalRecord, JPin, JRetired
+from ..ledger._saves import SaveKey
 
 __all__ = ["MAX_METRICS", "RetentionState", "RetentionRecord", "checked_metrics"]
 

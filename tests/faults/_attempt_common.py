@@ -21,8 +21,8 @@ import torch
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from daemon import verify_checkpoint
-from daemon._attempts import TRASH
-from daemon._verify import MANIFEST_NAME
+from daemon.store._attempts import TRASH
+from daemon.store._verify import MANIFEST_NAME
 from orchestrator.protocol import ATTEMPT_MARKER
 from tests.conftest import REPO
 from tests.faults._attempt_worker import job_state, tensor_digest

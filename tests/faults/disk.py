@@ -29,7 +29,7 @@ from typing import Any
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from daemon import verify_checkpoint
-from daemon._attempts import TRASH
+from daemon.store._attempts import TRASH
 from orchestrator.protocol import ATTEMPT_MARKER
 from tests._dcp_worker import state_for
 from tests.conftest import LineClient

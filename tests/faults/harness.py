@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon import verify_checkpoint
-from daemon._verify import MANIFEST_NAME
+from daemon.store._verify import MANIFEST_NAME
 from tests._ranks import free_port, pump_lines, start_rank
 from tests.conftest import REPO, DaemonProcess, LineClient
 

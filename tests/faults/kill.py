@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from daemon._faults import POINTS
+from daemon.base._faults import POINTS
 from tests._dcp_worker import state_for
 from tests.conftest import LineClient
 from tests.faults.harness import FaultDaemon, Ranks, Result, check_root_at_rest, step_dirs

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from daemon._attempts import TRASH
+from daemon.store._attempts import TRASH
 from tests.conftest import REPO
 from tests.faults.harness import FaultDaemon, Outcome, Ranks, Result, release, run_scenarios
 

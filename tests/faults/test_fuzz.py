@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon._framing import LineSplitter
+from daemon.server._framing import LineSplitter
 from orchestrator.protocol import MAX_LINE
 from tests.conftest import LineClient
 from tests.faults.frames import expected_replies

@@ -1,0 +1,165 @@
+"""Which attempt owns a ``tmp_step_N``: its marker, and moving other attempts' files aside.
+
+An attempt is one run of a job saving a step. Before the daemon acknowledges a new
+attempt it makes ``tmp_step_N`` that attempt's directory (:func:`prepare`): files a
+trainer wrote there before its ``begin`` (NeMo-RL's ``training_info.json``) stay and
+belong to the attempt; a directory that carries another attempt's marker (one the daemon
+replaced, or one it never knew because its journal was lost) is moved into the root's
+trash first. When an attempt fails, its directory goes to the trash before the failure
+is reported (:func:`set_aside`), so the next attempt starts in a fresh directory.
+
+Blocking filesystem calls only; the server runs them in worker threads under the root's
+lock. Trash entries are named ``<tmp dir name>.attempt-<id>`` so that ``ckptd promote``
+and ``gc`` can find them by step and attempt even without a journal.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from datetime import UTC, datetime
+from typing import Final
+
+import msgspec
+
+from orchestrator.protocol import ATTEMPT_MARKER, AttemptMarker
+
+from ..config._config import RootConfig
+from ._durable import fsync_dir, write_atomic
+
+__all__ = [
+    "TRASH",
+    "Prepared",
+    "new_attempt_id",
+    "prepare",
+    "read_marker",
+    "set_aside",
+    "trash_name",
+]
+
+TRASH: Final = ".ckptd-trash"
+"""Directory inside each root where set-aside and removed saves go."""
+
+_UNKNOWN: Final = "unknown"
+
+
+def new_attempt_id() -> str:
+    """A fresh attempt id: 16 hex digits, unique across restarts and nodes."""
+    return uuid.uuid4().hex[:16]
+
+
+class Prepared(msgspec.Struct, frozen=True):
+    """What :func:`prepare` did.
+
+    Attributes:
+        moved: Where another attempt's directory went, if one was in the way.
+        foreign: The attempt that directory's marker named ("unknown" if unreadable).
+        created: Whether ``tmp_step_N`` had to be created.
+    """
+
+    moved: str | None = None
+    foreign: str | None = None
+    created: bool = False
+
+
+def read_marker(tmp: str) -> AttemptMarker | None:
+    """The marker in ``tmp``; None if there is none.
+
+    An unreadable marker reads as an attempt named "unknown": it is not this attempt's.
+    """
+    path = os.path.join(tmp, ATTEMPT_MARKER)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError:
+        return _unknown_marker()
+    try:
+        data = os.read(fd, 65536)
+    finally:
+        os.close(fd)
+    try:
+        return msgspec.json.decode(data, type=AttemptMarker)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return _unknown_marker()
+
+
+def prepare(root: RootConfig, step: int, attempt: str, world_size: int) -> Prepared:
+    """Make ``tmp_step_N`` attempt ``attempt``'s directory, durably. Idempotent.
+
+    A directory already marked for ``attempt`` is left as it is. One marked for any other
+    attempt is moved into the trash and a fresh one created. An unmarked one (a trainer's
+    files written before its ``begin``) is kept and marked. The marker is written to a
+    unique temporary name, fsynced and renamed into place, and the directory fsynced.
+
+    Raises:
+        OSError: the directory cannot be moved, created or marked.
+    """
+    tmp = root.tmp_dir(step)
+    found = read_marker(tmp)
+    if found is not None and found.attempt == attempt:
+        return Prepared()
+    moved = None
+    if found is not None:
+        moved = _to_trash(root, step, found.attempt)
+    created = False
+    try:
+        os.mkdir(tmp, 0o755)
+        created = True
+    except FileExistsError:
+        pass
+    marker = AttemptMarker(
+        attempt=attempt,
+        root=root.path,
+        step=step,
+        world_size=world_size,
+        created=datetime.now(UTC).isoformat(),
+    )
+    write_atomic(os.path.join(tmp, ATTEMPT_MARKER), msgspec.json.encode(marker))
+    if created or moved is not None:
+        fsync_dir(root.path)
+    return Prepared(moved=moved, foreign=None if found is None else found.attempt, created=created)
+
+
+def set_aside(root: RootConfig, step: int, attempt: str) -> str | None:
+    """Move failed attempt ``attempt``'s ``tmp_step_N`` into the trash.
+
+    Only a directory that is this attempt's (its marker names it, or it has no marker:
+    the attempt never got to mark it) is moved; one that a newer attempt already owns
+    stays.
+
+    Returns:
+        Where it went, or None if there was nothing of this attempt's to move.
+
+    Raises:
+        OSError: the directory cannot be moved.
+    """
+    tmp = root.tmp_dir(step)
+    if not os.path.isdir(tmp) or os.path.islink(tmp):
+        return None
+    found = read_marker(tmp)
+    if found is not None and found.attempt != attempt:
+        return None
+    moved = _to_trash(root, step, attempt)
+    fsync_dir(root.path)
+    return moved
+
+
+def trash_name(root: RootConfig, step: int, attempt: str) -> str:
+    """The trash entry a set-aside attempt's directory gets (unique per call)."""
+    base = os.path.basename(root.tmp_dir(step))
+    tag = attempt or _UNKNOWN
+    return os.path.join(root.path, TRASH, f"{base}.attempt-{tag}-{uuid.uuid4().hex[:8]}")
+
+
+def _to_trash(root: RootConfig, step: int, attempt: str) -> str:
+    trash = os.path.join(root.path, TRASH)
+    os.makedirs(trash, mode=0o700, exist_ok=True)
+    target = trash_name(root, step, attempt)
+    os.rename(root.tmp_dir(step), target)
+    fsync_dir(trash)
+    return target
+
+
+def _unknown_marker() -> AttemptMarker:
+    return AttemptMarker(attempt=_UNKNOWN, root="", step=-1, world_size=0, created="")

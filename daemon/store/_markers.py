@@ -1,0 +1,320 @@
+"""Node markers and verdicts: the evidence nodes leave each other on the shared filesystem.
+
+A save that spans nodes is coordinated through files only, on the filesystem the
+checkpoint lives on:
+
+- ``tmp_step_N/.ckptd-node-<node>.json``: one node's word on the attempt. ``writing``
+  once its first rank began, ``done`` (with its ranks' files and sizes) once all of them
+  are done and their files checked, ``failed`` (with why) if anything failed there.
+  Written to a unique temp name, fsynced, renamed, the directory fsynced.
+- ``ROOT/.ckptd-verdicts/<tmp dir>.attempt-<id>.json``: the leader's verdict on a failed
+  attempt, outside the directory it sets aside, so that every node can read it.
+- A promotion's verdict is the manifest of ``step_N``, which names its attempt.
+
+Shared filesystems cache lookups and attributes for seconds: markers are found by
+listing the directory, re-read only when their inode, size or time changed, and read
+with ``open()`` (which revalidates on NFS, where ``stat`` may not). Blocking I/O only.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import re
+import stat
+import time
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Final, Literal, TypeVar
+
+import msgspec
+
+from orchestrator.protocol import ATTEMPT_MARKER, FileEntry
+
+from ..config._config import RootConfig
+from ._durable import fsync_dir, write_atomic
+
+__all__ = [
+    "CLAIM",
+    "NODE_PREFIX",
+    "VERDICTS",
+    "NodeMarker",
+    "Outcome",
+    "Seen",
+    "check_files",
+    "is_marker_name",
+    "marker_name",
+    "read_markers",
+    "read_markers_in",
+    "read_outcome",
+    "read_verdict",
+    "write_marker",
+    "write_verdict",
+]
+
+NODE_PREFIX: Final = ".ckptd-node-"
+"""Name prefix of node markers in ``tmp_step_N``."""
+VERDICTS: Final = ".ckptd-verdicts"
+"""Directory in each root holding the leader's verdicts on failed spanning attempts."""
+NODE_NAME: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+"""What a node name may be: it becomes part of a file name."""
+_MAX_MARKER: Final = 64 * 1024 * 1024
+_MANIFEST: Final = ".ckptd-manifest.json"  # daemon._verify.MANIFEST_NAME (which imports us)
+CLAIM: Final = ".ckptd-claim"
+"""The promotion claim in ``tmp_step_N`` (:mod:`daemon._fence`)."""
+
+NodeState = Literal["writing", "done", "failed"]
+
+
+class NodeMarker(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One node's word on one attempt of a save that spans nodes."""
+
+    format: str = "ckptd-node/1"
+    node: str
+    attempt: str
+    step: int
+    world_size: int
+    local_world_size: int
+    state: NodeState
+    files: dict[str, list[FileEntry]] = {}
+    """Each done rank (as a string) with the files it reported."""
+    reason: str = ""
+    """Why it failed (``failed``)."""
+    written: str = ""
+    """When (ISO 8601, UTC)."""
+
+    def ranks(self) -> dict[int, list[FileEntry]]:
+        """The done ranks and their files."""
+        return {int(r): entries for r, entries in self.files.items()}
+
+
+class Verdict(msgspec.Struct, frozen=True, kw_only=True):
+    """The leader's verdict on an attempt: failed (and why), or promoted and durable."""
+
+    format: str = "ckptd-verdict/1"
+    attempt: str
+    step: int
+    node: str
+    reason: str
+    written: str
+    state: Literal["failed", "promoted"] = "failed"
+
+
+Seen = dict[str, tuple[int, int, int, float]]
+"""Marker name -> (inode, size, mtime in ns) as last read, and when (monotonic) an
+unchanged ``writing`` marker is read again (infinity for ``done`` and ``failed``)."""
+WRITING_REREAD: Final = 1.0
+"""Seconds after which an unchanged ``writing`` marker is read again: its replacement by
+the ``done`` one can keep the cached attributes (on NFS, ``open()`` sees it first)."""
+
+
+class Outcome(msgspec.Struct, frozen=True):
+    """What the shared directory says of an attempt, as a node other than the leader sees it.
+
+    ``state`` is ``promoted`` (``detail``: the checkpoint), ``failed`` (``detail``: why),
+    ``superseded`` (``detail``: the attempt that now owns the step's directory) or
+    ``renamed`` (``detail``: the checkpoint, whose rename the leader has not yet said is
+    durable).
+    """
+
+    state: Literal["promoted", "failed", "superseded", "renamed"]
+    detail: str
+
+
+def marker_name(node: str) -> str:
+    """The file name of ``node``'s marker."""
+    return f"{NODE_PREFIX}{node}.json"
+
+
+def is_marker_name(name: str) -> bool:
+    """Whether ``name`` (a top-level entry of ``tmp_step_N``) is a node marker or its temp."""
+    return name.startswith(NODE_PREFIX) and (name.endswith(".json") or name.endswith(".tmp"))
+
+
+def now_iso() -> str:
+    """The wall-clock time, ISO 8601 UTC."""
+    return datetime.now(UTC).isoformat()
+
+
+def write_marker(root: RootConfig, step: int, marker: NodeMarker, *, durable: bool = True) -> None:
+    """Write ``marker`` into ``tmp_step_N``, replacing this node's previous one.
+
+    Only into a directory that is the marker's attempt's: another attempt's directory
+    (one that replaced ours) is left alone.
+
+    Raises:
+        OSError: it cannot be written, or (``ESTALE``) the directory is another attempt's.
+    """
+    tmp = root.tmp_dir(step)
+    owner = _attempt_of(tmp)
+    if owner != marker.attempt:
+        raise OSError(errno.ESTALE, f"{tmp} is attempt {owner or '(none)'}'s now", tmp)
+    path = os.path.join(tmp, marker_name(marker.node))
+    write_atomic(path, msgspec.json.encode(marker), sync_dir=durable)
+
+
+def read_markers(root: RootConfig, step: int, seen: Seen) -> list[NodeMarker]:
+    """Node markers in ``tmp_step_N`` that are new or changed since ``seen`` (updated).
+
+    A directory that is gone reads as no markers; an unreadable marker is skipped (and
+    read again next time).
+    """
+    return read_markers_in(root.tmp_dir(step), seen)
+
+
+def read_markers_in(tmp: str, seen: Seen) -> list[NodeMarker]:
+    """Node markers in directory ``tmp`` that are new or changed since ``seen``."""
+    out: list[NodeMarker] = []
+    try:
+        entries = list(os.scandir(tmp))
+    except (FileNotFoundError, NotADirectoryError):
+        return out
+    for entry in entries:
+        if not (entry.name.startswith(NODE_PREFIX) and entry.name.endswith(".json")):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        tag = (st.st_ino, st.st_size, st.st_mtime_ns)
+        last = seen.get(entry.name)
+        now = time.monotonic()
+        if last is not None and last[:3] == tag and now < last[3]:
+            continue
+        marker = _read(entry.path, NodeMarker)
+        if marker is not None:
+            again = now + WRITING_REREAD if marker.state == "writing" else math.inf
+            seen[entry.name] = (*tag, again)
+            out.append(marker)
+    return out
+
+
+def check_files(root: RootConfig, step: int, files: Mapping[int, Sequence[FileEntry]]) -> list[str]:
+    """Problems with the files this node's ranks reported: missing, or short.
+
+    Each file is opened (which revalidates a cached entry on NFS) and measured.
+    """
+    tmp = root.tmp_dir(step)
+    problems: list[str] = []
+    for rank, entries in sorted(files.items()):
+        for entry in entries:
+            path = os.path.join(tmp, entry.path)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+            except OSError as exc:
+                problems.append(f"{entry.path}: reported by rank {rank} but {exc.strerror}")
+                continue
+            try:
+                size = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+            if size < entry.size:
+                problems.append(
+                    f"{entry.path}: {size} bytes on disk, rank {rank} reported {entry.size}"
+                )
+    return problems
+
+
+def verdict_path(root: RootConfig, step: int, attempt: str) -> str:
+    """Where the leader's verdict on failed attempt ``attempt`` goes."""
+    base = os.path.basename(root.tmp_dir(step))
+    return os.path.join(root.path, VERDICTS, f"{base}.attempt-{attempt}.json")
+
+
+def write_verdict(
+    root: RootConfig, step: int, attempt: str, node: str, reason: str, *, promoted: bool = False
+) -> None:
+    """Durably record the leader's verdict on attempt ``attempt`` of step ``step``.
+
+    It failed, and why; or, with ``promoted``, its promotion is durable (the root was
+    fsynced after the rename).
+
+    Raises:
+        OSError: it cannot be written.
+    """
+    directory = os.path.join(root.path, VERDICTS)
+    try:
+        os.mkdir(directory, 0o755)
+    except FileExistsError:
+        pass
+    else:
+        fsync_dir(root.path)
+    state: Literal["failed", "promoted"] = "promoted" if promoted else "failed"
+    verdict = Verdict(
+        attempt=attempt, step=step, node=node, reason=reason, written=now_iso(), state=state
+    )
+    write_atomic(verdict_path(root, step, attempt), msgspec.json.encode(verdict))
+
+
+def read_verdict(root: RootConfig, step: int, attempt: str) -> Verdict | None:
+    """The leader's verdict on attempt ``attempt``, if it gave one."""
+    return _read(verdict_path(root, step, attempt), Verdict)
+
+
+def read_outcome(root: RootConfig, step: int, attempt: str) -> Outcome | None:
+    """What became of attempt ``attempt``, if the shared directory says yet.
+
+    Promoted: the leader's verdict says so, written once the rename was durable. Failed:
+    its verdict, or ``step_N`` promoted from another attempt. Superseded: ``tmp_step_N``
+    carries another attempt's marker (the leader set ours aside and a new attempt
+    began). Renamed: ``step_N``'s manifest names the attempt but no verdict says yet that
+    the rename is durable.
+    """
+    final = root.final_dir(step)
+    verdict = read_verdict(root, step, attempt)
+    if verdict is not None:
+        if verdict.state == "promoted":
+            return Outcome("promoted", final)
+        return Outcome("failed", verdict.reason)
+    manifest = _read(os.path.join(final, _MANIFEST), _ManifestAttempt)
+    if manifest is not None:
+        if manifest.attempt == attempt:
+            return Outcome("renamed", final)
+        return Outcome("failed", f"step {step} was promoted from attempt {manifest.attempt}")
+    owner = _attempt_of(root.tmp_dir(step))
+    if owner is not None and owner != attempt:
+        return Outcome("superseded", owner)
+    return None
+
+
+class _ManifestAttempt(msgspec.Struct, frozen=True):
+    attempt: str = ""
+
+
+class _AttemptOnly(msgspec.Struct, frozen=True):
+    attempt: str = ""
+
+
+def _attempt_of(tmp: str) -> str | None:
+    marker = _read(os.path.join(tmp, ATTEMPT_MARKER), _AttemptOnly)
+    return None if marker is None else marker.attempt
+
+
+_T = TypeVar("_T")
+
+
+def _read(path: str, kind: type[_T]) -> _T | None:
+    """``path`` decoded as ``kind``; None if it is missing, unreadable or malformed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        chunks: list[bytes] = []
+        total = 0
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > _MAX_MARKER:
+                return None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        return msgspec.json.decode(b"".join(chunks), type=kind)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
