@@ -12,7 +12,8 @@ from .config._config import Config, RootConfig, default_socket_path, load_config
 from .ledger._ledger import Ledger, SaveKey
 from .server._lifecycle import serve
 from .server._server import VERSION, Daemon
-from .store._promote import LocalStorage, Storage
+from .store._local import LocalStorage
+from .store._storage import Storage
 from .store._verify import MANIFEST_NAME, Manifest, verify_checkpoint
 
 __all__ = [

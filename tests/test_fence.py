@@ -20,7 +20,8 @@ import pytest
 
 from daemon.config._config import RootConfig
 from daemon.store._fence import ClaimedError, claim, pointer_lock, release
-from daemon.store._promote import LocalStorage, _advance_pointer, read_pointer
+from daemon.store._local import LocalStorage
+from daemon.store._promote import _advance_pointer, read_pointer
 from tests._fuse import CACHING, bindfs_mount
 
 

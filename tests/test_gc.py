@@ -25,7 +25,8 @@ import torch
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from daemon.cli import main
-from daemon.ledger._records import JBegin, JFail, Journal, JournalRecord
+from daemon.ledger._records import JBegin, JFail, JournalRecord
+from daemon.store._journal import Journal
 from orchestrator.protocol import ATTEMPT_MARKER
 from tests._fuse import bindfs_mount, waiting_requests
 from tests._system import in_ci, require_root, require_tool

@@ -30,7 +30,7 @@ from daemon.config._config import Config, RootConfig, load_config
 from daemon.server._lifecycle import serve
 from daemon.server._server import Daemon
 from daemon.store._lanes import Lane
-from daemon.store._promote import LocalStorage
+from daemon.store._local import LocalStorage
 from tests._fuse import BindMount, bindfs_mount
 from tests.conftest import DaemonProcess, LineClient
 

@@ -23,7 +23,6 @@ from daemon.ledger._records import (
     JFail,
     JForget,
     JIntent,
-    Journal,
     JournalFormatError,
     JournalRecord,
     JPromoted,
@@ -31,6 +30,7 @@ from daemon.ledger._records import (
     frame,
     parse,
 )
+from daemon.store._journal import Journal
 from orchestrator.protocol import FileEntry
 
 RECORDS: list[JournalRecord] = [

@@ -14,7 +14,7 @@ from daemon.base._errors import PromotionError, VerificationError
 from daemon.config._config import RootConfig
 from daemon.server._promotion import _verify_and_promote
 from daemon.store._attempts import prepare
-from daemon.store._promote import LocalStorage
+from daemon.store._local import LocalStorage
 from daemon.store._verify import MANIFEST_NAME, scan_save
 from orchestrator.protocol import ATTEMPT_MARKER, FileEntry
 

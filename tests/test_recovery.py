@@ -11,7 +11,8 @@ import pytest
 
 from daemon import verify_checkpoint
 from daemon.base._faults import POINTS
-from daemon.ledger._records import JBegin, JDone, JIntent, Journal, JournalRecord, JPromoted
+from daemon.ledger._records import JBegin, JDone, JIntent, JournalRecord, JPromoted
+from daemon.store._journal import Journal
 from orchestrator.protocol import FileEntry
 from tests.conftest import DaemonProcess, LineClient
 

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from daemon.base._errors import RequestError
-from daemon.ledger._records import Journal, JournalRecord
+from daemon.ledger._records import JournalRecord
 from daemon.ledger._saves import SaveKey
 from daemon.retention.state import MAX_METRICS, RetentionState
+from daemon.store._journal import Journal
 from daemon.store._steps import training_info_metrics
 
 KEY = SaveKey("/r", 7)

@@ -20,7 +20,8 @@ from orchestrator import protocol as p
 from ..base._events import Events
 from ..config._config import Config, RootConfig
 from ..ledger._ledger import Effect, Ledger, SaveKey
-from ..ledger._records import Journal, JournalRecord
+from ..ledger._records import JournalRecord
+from ..store._journal import Journal
 from ..store._lanes import Lanes
 
 __all__ = ["Collecting", "Coordinating", "Host", "Recovering", "Serving"]

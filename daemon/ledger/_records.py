@@ -1,32 +1,23 @@
-"""The journal: every acknowledged state change, durable before its reply.
+"""The journal's records: every acknowledged state change, and how it is stored.
 
-An append-only file of framed records, each ``<length u32><crc32 u32><msgpack payload>``
-after an 8-byte header. Appends from many concurrent requests share one ``write`` and one
-``fsync`` (group commit): a request waits only for the batch it joined. On open, a torn
-or corrupt tail (a crash mid-write, a bad sector) is detected by its length or checksum,
-reported and cut off, never replayed. :meth:`Journal.compact` rewrites the file as a
-snapshot of the live state so it does not grow without bound.
+A journal is an append-only file of framed records, each
+``<length u32><crc32 u32><msgpack payload>`` after an 8-byte header (:data:`HEADER`).
+:func:`frame` encodes one record; :func:`parse` reads a file's bytes back, cutting off a
+torn or corrupt tail (a crash mid-write, a bad sector), found by its length or checksum,
+and refusing an intact record of a kind this version does not know. Pure: the file itself
+is :class:`daemon.store._journal.Journal`'s.
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
-import os
 import struct
-import time
 import zlib
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Final
 
-import anyio
 import msgspec
 
 from orchestrator.protocol import FileEntry
-
-from ..store._durable import fsync_dir
-from ..store._lanes import Lane
 
 __all__ = [
     "JBegin",
@@ -45,7 +36,7 @@ __all__ = [
     "JRetired",
     "JSaveFailed",
     "JSetAside",
-    "Journal",
+    "HEADER",
     "JournalFormatError",
     "JournalRecord",
     "Replay",
@@ -53,7 +44,8 @@ __all__ = [
     "parse",
 ]
 
-_MAGIC: Final = b"CKPTDJ\x00\x01"
+HEADER: Final = b"CKPTDJ\x00\x01"
+"""The 8 bytes every journal file starts with."""
 _FRAME: Final = struct.Struct("<II")
 _MAX_RECORD: Final = 64 * 1024 * 1024
 
@@ -239,189 +231,13 @@ def frame(record: JournalRecord) -> bytes:
 
 @dataclass(slots=True)
 class Replay:
-    """What :meth:`Journal.open` found on disk."""
+    """What :func:`parse` found in a journal's bytes."""
 
     records: list[JournalRecord]
     valid_bytes: int
     dropped_bytes: int
     """Bytes of a torn or corrupt tail that were cut off (0 for a clean journal)."""
     problem: str | None = None
-
-
-@dataclass(slots=True)
-class _Batch:
-    data: list[bytes] = field(default_factory=list)
-    done: anyio.Event = field(default_factory=anyio.Event)
-    error: OSError | None = None
-
-
-class Journal:
-    """An append-only, checksummed, fsynced log with group commit.
-
-    Args:
-        path: The journal file (created if missing).
-        sync: fsync after each batch; only tests that measure the cost turn it off.
-    """
-
-    def __init__(self, path: str, *, sync: bool = True) -> None:
-        self.path = path
-        self._sync = sync
-        self._fd = -1
-        self._size = 0
-        self._batch = _Batch()
-        self._wake = anyio.Event()
-        self.lane = Lane("journal", 1)
-        """The journal's own thread: its writes, fsyncs and compactions run there, never
-        behind a root's filesystem calls."""
-        self.commits = 0
-        """Batches written (for observing group commit)."""
-        self.on_flush: Callable[[float], None] | None = None
-        """Called on the event loop with the seconds each batch's write and fsync took
-        (the metrics' journal flush latency); None: nothing is called."""
-
-    @property
-    def size(self) -> int:
-        """Bytes in the journal file."""
-        return self._size
-
-    def open(self) -> Replay:
-        """Read every intact record, cut off a torn tail, and open for appending.
-
-        Blocking I/O; call before serving.
-
-        Raises:
-            OSError: the file cannot be read or created.
-            ValueError: the file exists but is not a ckptd journal.
-        """
-        os.makedirs(os.path.dirname(self.path) or ".", mode=0o700, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            try:  # one daemon per journal: a second one would interleave its appends
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise OSError(
-                    errno.EWOULDBLOCK, "another ckptd is using this state directory", self.path
-                ) from None
-            with os.fdopen(os.dup(fd), "rb") as fh:
-                replay = parse(fh.read())
-            if replay.dropped_bytes:
-                os.ftruncate(fd, replay.valid_bytes)
-            if replay.valid_bytes == 0:  # new, or torn while its header was written
-                os.lseek(fd, 0, os.SEEK_SET)
-                os.write(fd, _MAGIC)
-                replay.valid_bytes = len(_MAGIC)
-            os.fsync(fd)
-            fsync_dir(os.path.dirname(self.path))
-            os.lseek(fd, replay.valid_bytes, os.SEEK_SET)
-        except BaseException:
-            os.close(fd)
-            raise
-        self._fd = fd
-        self._size = replay.valid_bytes
-        return replay
-
-    def close(self) -> None:
-        """Close the file."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-    async def append(self, records: Sequence[JournalRecord]) -> None:
-        """Return once ``records`` are durable.
-
-        Raises:
-            OSError: the batch could not be written or synced (e.g. ``ENOSPC``); the
-                records may or may not be on disk, and the caller must not acknowledge.
-        """
-        if not records:
-            return
-        batch = self._batch
-        batch.data.append(b"".join(frame(r) for r in records))
-        self._wake.set()
-        await batch.done.wait()
-        if batch.error is not None:
-            raise batch.error
-
-    async def run(
-        self,
-        snapshot: Callable[[], list[JournalRecord]] | None = None,
-        compact_at: int = 64 * 1024 * 1024,
-    ) -> None:
-        """Write batches as they fill; one write and one fsync per batch. Runs forever.
-
-        Args:
-            snapshot: Records rebuilding the live state; when given, the journal is
-                compacted to them between batches once it exceeds ``compact_at`` bytes
-                and twice its size after the last compaction.
-            compact_at: Size in bytes that triggers compaction.
-        """
-        floor = self._size
-        while True:
-            await self._wake.wait()
-            self._wake = anyio.Event()
-            batch, self._batch = self._batch, _Batch()
-            if not batch.data:
-                continue
-            with anyio.CancelScope(shield=True):
-                started = time.perf_counter()
-                try:
-                    await self.lane.run(self._write, b"".join(batch.data))
-                except OSError as exc:
-                    batch.error = exc
-                batch.done.set()
-                if self.on_flush is not None:
-                    self.on_flush(time.perf_counter() - started)
-                if snapshot is not None and self._size > max(compact_at, 2 * floor):
-                    # Between batches: nothing else writes the file now. Changes already
-                    # in the next batch may also be in the snapshot; replay is idempotent.
-                    try:
-                        await self.lane.run(self.compact, snapshot())
-                    except OSError:
-                        pass  # keep appending to the old file; retried after a batch
-                    floor = self._size
-
-    def _write(self, data: bytes) -> None:
-        view = memoryview(data)
-        try:
-            while view:
-                view = view[os.write(self._fd, view) :]
-            if self._sync:
-                os.fsync(self._fd)
-        except OSError:
-            # Cut a partial batch off so the next one is not appended after garbage.
-            os.ftruncate(self._fd, self._size)
-            os.lseek(self._fd, self._size, os.SEEK_SET)
-            raise
-        self._size += len(data)
-        self.commits += 1
-
-    def compact(self, records: Iterable[JournalRecord]) -> None:
-        """Replace the journal with ``records`` (a snapshot of the live state).
-
-        Blocking I/O. Written to a temporary file, fsynced, renamed over the journal and
-        the directory fsynced: a crash leaves either the old journal or the new one.
-        Call only while no batch is being written.
-        """
-        data = _MAGIC + b"".join(frame(r) for r in records)
-        tmp = f"{self.path}.compact"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        # Lock the new file before the rename makes it the journal, so no other daemon
-        # can take it between the rename and this daemon reopening it.
-        fd = os.open(tmp, os.O_RDWR | os.O_CLOEXEC)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.replace(tmp, self.path)
-        fsync_dir(os.path.dirname(self.path))
-        self.close()
-        self._fd = fd
-        os.lseek(self._fd, 0, os.SEEK_END)
-        self._size = len(data)
 
 
 def parse(data: bytes) -> Replay:
@@ -435,12 +251,12 @@ def parse(data: bytes) -> Replay:
         ValueError: ``data`` does not start with the journal header.
         JournalFormatError: an intact record of a kind or shape this version does not know.
     """
-    if not data.startswith(_MAGIC):
-        if _MAGIC.startswith(data):  # empty, or a crash while its header was written
+    if not data.startswith(HEADER):
+        if HEADER.startswith(data):  # empty, or a crash while its header was written
             return Replay([], 0, len(data), "torn header" if data else None)
         raise ValueError("not a ckptd journal (bad header)")
     records: list[JournalRecord] = []
-    pos = len(_MAGIC)
+    pos = len(HEADER)
     problem = None
     while pos < len(data):
         if pos + _FRAME.size > len(data):

@@ -23,9 +23,9 @@ from anyio.abc import SocketListener, TaskGroup, TaskStatus
 from ..base._errors import ConfigError
 from ..base._events import flush_logging
 from ..config._config import Config
-from ..ledger._records import Journal
 from ..ops._exporter import Exporter
-from ..store._promote import Storage
+from ..store._journal import Journal
+from ..store._storage import Storage
 from . import _systemd
 from ._recovery import recover
 from ._reloader import Reloader

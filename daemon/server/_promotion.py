@@ -28,7 +28,8 @@ from ..host._host import Host
 from ..ledger._ledger import SaveKey
 from ..store import _fence, _markers
 from ..store import _promote as _promoter
-from ..store._promote import Promotion, Storage
+from ..store._promote import Promotion
+from ..store._storage import Storage
 from ..store._verify import Manifest, read_manifest, scan_save
 
 __all__ = ["Promoter"]

@@ -28,7 +28,7 @@ from ..base._errors import RequestError, VerificationError
 from ..base._events import Events
 from ..config._config import Config, RootConfig
 from ..ledger._ledger import Effect, Emit, Ledger, SaveKey, SaveRecord, SetAside, Settled, Verify
-from ..ledger._records import Journal, JournalRecord
+from ..ledger._records import JournalRecord
 from ..ledger._saves import MarkNode, NodeFailed, Watch
 from ..nodes._coordinator import Nodes
 from ..nodes._rescue import rescue_markers
@@ -37,10 +37,13 @@ from ..ops._reload import reloaded_root_check
 from ..retention.applier import Retention
 from ..retention.state import checked_metrics
 from ..store import _attempts
+from ..store._journal import Journal
 from ..store._lanes import Lanes
+from ..store._local import LocalStorage
 from ..store._mounts import is_local, mount_table
 from ..store._paths import check_relative, check_tmp_dir
-from ..store._promote import LocalStorage, Storage, latest_promoted
+from ..store._promote import latest_promoted
+from ..store._storage import Storage
 from ..store._trash import TrashRemover
 from ..store._verify import scan_save
 from ._collect import collect

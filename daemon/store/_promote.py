@@ -1,18 +1,16 @@
 """Promotion: make a verified save durable, rename it into place, move the pointer.
 
 Blocking filesystem work; the server runs it in a worker thread inside a shielded scope
-so that cancellation never stops it halfway. Every write goes through :class:`Storage`,
+so that cancellation never stops it halfway. Every write goes through :class:`FileOps`,
 so tests and fault injection can put a real failing filesystem (or an injected errno)
 behind it.
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import threading
-import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -24,14 +22,12 @@ import msgspec
 from ..base._errors import PromotionError
 from ..base._faults import crash_point
 from ..config._config import RootConfig
-from . import _durable
 from ._fence import pointer_lock
 from ._verify import MANIFEST_NAME, Manifest
 
 __all__ = [
-    "LocalStorage",
+    "FileOps",
     "Promotion",
-    "Storage",
     "finish",
     "identity",
     "latest_promoted",
@@ -39,7 +35,6 @@ __all__ = [
     "read_pointer",
 ]
 
-_AT_FDCWD: Final = -100
 # Flushing threads per promotion. Measured on a 2-vCPU VM (virtio, ext4), 100 clean
 # files: 8 threads draining one queue 3.1 ms, 16 threads 3.5 ms, one future per file
 # from 16 threads 6.2 ms, serial 6.6 ms. More threads only add GIL hand-offs, which also
@@ -50,11 +45,10 @@ _FSYNC_WORKERS: Final = 8
 # root whose filesystem hangs mid-flush holds that many; only 64 roots hung so at once
 # could keep another root's promotion waiting. Threads start only as flushes need them.
 _FSYNC_POOL: Final = 64 * _FSYNC_WORKERS
-_RENAME_NOREPLACE: Final = 1
 
 
-class Storage(Protocol):
-    """The filesystem writes promotion makes."""
+class FileOps(Protocol):
+    """The filesystem writes promotion makes (:class:`daemon.store._local.LocalStorage`'s)."""
 
     def fsync(self, path: str, *, directory: bool = False) -> None:
         """Flush ``path`` (a file, or a directory's entries) to stable storage."""
@@ -73,60 +67,6 @@ class Storage(Protocol):
         """Atomically make ``path`` a symlink to ``target``."""
 
 
-class LocalStorage:
-    """:class:`Storage` on the local (POSIX) filesystem."""
-
-    def __init__(self) -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        self._renameat2 = getattr(libc, "renameat2", None)
-
-    def fsync(self, path: str, *, directory: bool = False) -> None:
-        """See :meth:`Storage.fsync`."""
-        flags = os.O_RDONLY | (os.O_DIRECTORY if directory else 0)
-        # O_NONBLOCK: a file swapped for a FIFO after verification fails its fsync
-        # instead of blocking this thread (and the root's promotions) on the open.
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def write_atomic(self, path: str, data: bytes, *, sync_dir: bool = True) -> None:
-        """See :meth:`Storage.write_atomic`."""
-        _durable.write_atomic(path, data, sync_dir=False)
-        if sync_dir:
-            self.fsync(os.path.dirname(path), directory=True)
-
-    def rename_noreplace(self, src: str, dst: str) -> None:
-        """See :meth:`Storage.rename_noreplace`."""
-        if self._renameat2 is not None:
-            rc = self._renameat2(
-                _AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE
-            )
-            if rc == 0:
-                return
-            err = ctypes.get_errno()
-            if err not in (errno.ENOSYS, errno.EINVAL):
-                raise OSError(err, os.strerror(err), src, None, dst)
-        # Filesystems without RENAME_NOREPLACE (some NFS): the daemon serialises renames
-        # per root, so no other writer can create dst between the check and the rename.
-        if os.path.lexists(dst):
-            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
-        os.rename(src, dst)
-
-    def replace_symlink(self, target: str, path: str) -> None:
-        """See :meth:`Storage.replace_symlink`."""
-        tmp = os.path.join(
-            os.path.dirname(path), f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp"
-        )
-        os.symlink(target, tmp)
-        try:
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
-
-
 @dataclass(frozen=True, slots=True)
 class Promotion:
     """What a promotion did."""
@@ -143,7 +83,7 @@ def identity(path: str) -> tuple[int, int]:
 
 
 def promote(
-    storage: Storage,
+    storage: FileOps,
     root: RootConfig,
     step: int,
     manifest: Manifest,
@@ -230,7 +170,7 @@ def promote(
     return _after_rename(storage, root, step, undo=True, pointer_node=pointer_node, source=source)
 
 
-def _drain(storage: Storage, queue: deque[tuple[str, bool]]) -> None:
+def _drain(storage: FileOps, queue: deque[tuple[str, bool]]) -> None:
     """Fsync paths from ``queue`` until it is empty (``deque.popleft`` is thread-safe).
 
     A few threads draining one queue cost far fewer thread hand-offs than a future per
@@ -245,7 +185,7 @@ def _drain(storage: Storage, queue: deque[tuple[str, bool]]) -> None:
 
 
 def finish(
-    storage: Storage, root: RootConfig, step: int, pointer_node: str | None = None
+    storage: FileOps, root: RootConfig, step: int, pointer_node: str | None = None
 ) -> Promotion:
     """Finish a promotion whose rename happened before a restart: fsync, pointer.
 
@@ -256,7 +196,7 @@ def finish(
 
 
 def _after_rename(
-    storage: Storage,
+    storage: FileOps,
     root: RootConfig,
     step: int,
     *,
@@ -335,7 +275,7 @@ def read_pointer(root: RootConfig) -> int | None:
     return root.parse_step(name, root.final_prefix)
 
 
-def _advance_pointer(storage: Storage, root: RootConfig, step: int) -> bool:
+def _advance_pointer(storage: FileOps, root: RootConfig, step: int) -> bool:
     current = read_pointer(root)
     if current is not None and current > step and os.path.isdir(root.final_dir(current)):
         return False
