@@ -23,6 +23,7 @@ from ..ledger._ledger import Effect, Ledger, SaveKey
 from ..ledger._records import JournalRecord
 from ..store._journal import Journal
 from ..store._lanes import Lanes
+from ..store._storage import Storage
 
 __all__ = ["Collecting", "Coordinating", "Host", "Recovering", "Serving"]
 
@@ -63,6 +64,11 @@ class Host(Protocol):
 
     @property
     def lanes(self) -> Lanes: ...
+
+    @property
+    def storage(self) -> Storage:
+        """Every effect on a root (``daemon.store._storage``): run it in the root's lane."""
+        ...
 
     @property
     def root_locks(self) -> Mapping[str, anyio.Lock]: ...

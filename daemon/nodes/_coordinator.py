@@ -35,8 +35,9 @@ from ..config._config import RootConfig
 from ..host._host import Coordinating
 from ..ledger._holds import Holds
 from ..ledger._saves import Effect, MarkNode, NodeFailed, SaveKey, SaveRecord, Watch
-from ..store import _attempts, _fence, _markers
+from ..store import _markers
 from ..store._markers import NodeMarker, Seen
+from ..store._storage import Storage
 from ._waker import Waker
 
 __all__ = ["RENAMED_TRUST", "Nodes"]
@@ -83,6 +84,10 @@ class Nodes:
         self._closed = False
 
     @property
+    def _storage(self) -> Storage:
+        return self._daemon.storage
+
+    @property
     def node(self) -> str:
         """This node's name."""
         return self._daemon.config.node
@@ -116,12 +121,12 @@ class Nodes:
             save = daemon.ledger.get(key)
             if save is not None and save.state is p.SaveState.OPEN:
                 return None
-            marker = await self._run(root, _attempts.read_marker, tmp)
+            marker = await self._run(root, self._storage.read_attempt, tmp)
             if isinstance(marker, p.AttemptMarker) and marker.world_size == world_size:
                 ended = save is not None and save.attempt == marker.attempt
                 if not ended:
                     verdict = await self._run(
-                        root, _markers.read_verdict, root, key.step, marker.attempt
+                        root, self._storage.read_verdict, root, key.step, marker.attempt
                     )
                     if verdict is None:
                         return marker.attempt
@@ -164,7 +169,7 @@ class Nodes:
             if save.marked or save.locally_done():
                 return
             try:
-                write = partial(_markers.write_marker, durable=False)
+                write = partial(self._storage.write_marker, durable=False)
                 await self._run(root, write, root, key.step, marker)
             except OSError:
                 pass  # only names this node in the leader's timeout message
@@ -220,7 +225,7 @@ class Nodes:
             if await self._learn(root, save):
                 return
             try:
-                problems = await self._run(root, _markers.check_files, root, key.step, files)
+                problems = await self._run(root, self._storage.check_files, root, key.step, files)
             except OSError as exc:
                 problems = [f"files could not be checked: {exc.strerror or exc}"]
             assert isinstance(problems, list)
@@ -231,7 +236,7 @@ class Nodes:
             marker = self._marker(save, "done")
             try:
                 async with self._lock(key):
-                    await self._run(root, _markers.write_marker, root, key.step, marker)
+                    await self._run(root, self._storage.write_marker, root, key.step, marker)
                 crash_point("after_node_marker")
             except OSError as exc:
                 if exc.errno == errno.ESTALE:  # the directory moved on: learn where to
@@ -269,7 +274,7 @@ class Nodes:
         if await self._learn(root, save):
             return
         tmp = root.tmp_dir(save.key.step)
-        found = await self._run(root, _attempts.read_marker, tmp)
+        found = await self._run(root, self._storage.read_attempt, tmp)
         if not isinstance(found, p.AttemptMarker) or found.attempt != save.attempt:
             await self.follow(root, save)  # the directory moved on: the leader acted
             return
@@ -296,7 +301,7 @@ class Nodes:
         seen: Seen = {}
         async with self._waker(root, root.tmp_dir(key.step), key) as wake:
             while self._open(key, attempt):
-                found = await self._run(root, _markers.read_markers, root, key.step, seen)
+                found = await self._run(root, self._storage.read_markers, root, key.step, seen)
                 assert isinstance(found, list)
                 effects: list[Effect] = []
                 now = daemon.clock()
@@ -333,7 +338,7 @@ class Nodes:
                 if now.state is p.SaveState.VERIFYING and self.promote is not None:
                     # A leader that yielded to another node's claim: if that node gave
                     # up (its claim is gone, the directory still ours), promote it here.
-                    if not await self._run(root, _fence.claimed, root, key.step):
+                    if not await self._run(root, self._storage.claimed, root, key.step):
                         self.promote(key)
                         return
                 await wake(now.state is p.SaveState.OPEN and not now.marked)
@@ -341,7 +346,7 @@ class Nodes:
     async def _learn(self, root: RootConfig, save: SaveRecord) -> bool:
         """Take the outcome of ``save``'s attempt if the shared directory has it."""
         daemon, key, attempt = self._daemon, save.key, save.attempt
-        outcome = await self._run(root, _markers.read_outcome, root, key.step, attempt)
+        outcome = await self._run(root, self._storage.read_outcome, root, key.step, attempt)
         if not isinstance(outcome, _markers.Outcome):
             return False
         if outcome.state == "renamed":
@@ -374,7 +379,9 @@ class Nodes:
                     marker = self._marker(save, "failed", reason=effect.reason)
                     try:
                         async with self._lock(key):
-                            await self._run(root, _markers.write_marker, root, key.step, marker)
+                            await self._run(
+                                root, self._storage.write_marker, root, key.step, marker
+                            )
                     except OSError as exc:
                         self._marker_failed(key, effect.attempt, exc)
                 if effect.leader:
@@ -390,7 +397,7 @@ class Nodes:
         """The leader: durably say, where every node looks, that ``attempt`` failed."""
         try:
             await self._run(
-                root, _markers.write_verdict, root, key.step, attempt, self.node, reason
+                root, self._storage.write_verdict, root, key.step, attempt, self.node, reason
             )
         except OSError as exc:
             self._marker_failed(key, attempt, exc)

@@ -8,7 +8,6 @@ from ..base._errors import RequestError
 from ..config._config import RootConfig
 from ..host._host import Host
 from ..ledger._saves import SaveRecord, ranges
-from ..store import _markers
 from ..store._markers import NodeMarker
 
 __all__ = ["RescueMarkers", "rescue_markers"]
@@ -50,7 +49,9 @@ async def rescue_markers(
             reported a failure; the message says what is missing.
     """
     where = tmp or root.tmp_dir(step)
-    found = await daemon.lanes.run(root.path, _markers.read_markers_in, where, {}, abandon=True)
+    found = await daemon.lanes.run(
+        root.path, daemon.storage.read_markers_in, where, {}, abandon=True
+    )
     assert isinstance(found, list)
     ours = [m for m in found if isinstance(m, NodeMarker) and m.attempt == attempt]
     if not ours:

@@ -40,9 +40,7 @@ from ..config._config import RootConfig
 from ..host._host import Host
 from ..ledger._ledger import SaveKey
 from ..ledger._records import JournalRecord
-from ..store import _steps as disk
-from ..store._durable import fsync_dir
-from ..store._promote import read_pointer
+from ..store._steps import Found, ManifestCache
 from ..store._trash import TrashRemover
 from . import requests
 from .policy import StepFacts, Verdict, best_step, judge, retired
@@ -81,7 +79,7 @@ class Retention:
         self._daemon = daemon
         self.may_prune = may_prune
         self.state = RetentionState()
-        self._cache: disk.ManifestCache = {}
+        self._cache: ManifestCache = {}
         self._info_tried: set[SaveKey] = set()
         self._retiring: set[SaveKey] = set()
         roots = [r for r in daemon.config.roots if r.retention is not None]
@@ -203,12 +201,13 @@ class Retention:
             prunes = self._last_prunes[root.path] = await self._prunes(root, found)
             facts = self._facts(root, found, now)
             best = best_step(config.policy, facts)
-            lanes = self._daemon.lanes
-            on_disk = await lanes.run(root.path, disk.read_named_pointer, root, config.best_pointer)
+            lanes, storage = self._daemon.lanes, self._daemon.storage
+            named = storage.read_named_pointer
+            on_disk = await lanes.run(root.path, named, root, config.best_pointer)
             if apply and prunes and best is not None and best != on_disk:
                 await self._move_best(root, best)
                 on_disk = best
-            latest = await lanes.run(root.path, read_pointer, root)
+            latest = await lanes.run(root.path, storage.read_pointer, root)
             pointers = {root.pointer: latest, config.best_pointer: on_disk}
             verdicts = judge(config.policy, facts, pointers=pointers, now=now)
             self._wake_at_next(root, facts, now)
@@ -218,18 +217,21 @@ class Retention:
                     verdicts, gone = await self._retire(root)
             return verdicts, on_disk, gone
 
-    async def _prunes(self, root: RootConfig, found: list[disk.Found]) -> bool:
+    async def _prunes(self, root: RootConfig, found: list[Found]) -> bool:
         """Whether this daemon changes ``root`` (:attr:`may_prune`, given who led it)."""
         complete = [f.step for f in found if f.complete]
         leader = None
         if complete:
-            leader = await self._daemon.lanes.run(root.path, disk.leader_node, root, complete[-1])
+            leader_node = self._daemon.storage.leader_node
+            leader = await self._daemon.lanes.run(root.path, leader_node, root, complete[-1])
         return self.may_prune(root, leader)
 
-    async def _scan(self, root: RootConfig) -> list[disk.Found]:
-        return await self._daemon.lanes.run(root.path, disk.scan, root, self._cache)
+    async def _scan(self, root: RootConfig) -> list[Found]:
+        return await self._daemon.lanes.run(
+            root.path, self._daemon.storage.scan_steps, root, self._cache
+        )
 
-    async def _adopt(self, root: RootConfig, found: list[disk.Found]) -> None:
+    async def _adopt(self, root: RootConfig, found: list[Found]) -> None:
         """Give newly promoted steps their metrics: ``training_info.json``, then ``done``'s."""
         changed = False
         for f in found:
@@ -243,20 +245,21 @@ class Retention:
             info: dict[str, float] = {}
             if need_info:
                 path = root.final_dir(f.step)
-                info = await self._daemon.lanes.run(root.path, disk.training_info_metrics, path)
+                metrics = self._daemon.storage.training_info_metrics
+                info = await self._daemon.lanes.run(root.path, metrics, path)
             self.state.adopt(key, f.attempt, info)
             changed = True
         if changed:
             await self._daemon.commit([])
 
-    def _unadopted(self, key: SaveKey, found: disk.Found) -> bool:
+    def _unadopted(self, key: SaveKey, found: Found) -> bool:
         """Whether promoted ``key`` has metrics still to take (its files', its ``done``s')."""
         pending = self.state.pending(key)
         if pending is not None and pending[0] == found.attempt:
             return True
         return key not in self._info_tried and not self.state.has_metrics(key)
 
-    def _facts(self, root: RootConfig, found: list[disk.Found], now: float) -> list[StepFacts]:
+    def _facts(self, root: RootConfig, found: list[Found], now: float) -> list[StepFacts]:
         state = self.state
         return [
             StepFacts(
@@ -294,7 +297,7 @@ class Retention:
         metric = config.policy.keep_best.metric
         try:
             await self._daemon.lanes.run(
-                root.path, disk.write_pointer, root, config.best_pointer, step
+                root.path, self._daemon.storage.write_pointer, root, config.best_pointer, step
             )
         except OSError as exc:
             self._daemon.events.emit(
@@ -320,17 +323,18 @@ class Retention:
         """Under the root's lock: find and judge again, fsync, rename what goes, journal."""
         config = root.retention
         assert config is not None
-        daemon, lanes = self._daemon, self._daemon.lanes
+        daemon, lanes, storage = self._daemon, self._daemon.lanes, self._daemon.storage
 
-        def key_of(f: disk.Found) -> SaveKey:
+        def key_of(f: Found) -> SaveKey:
             return SaveKey(root.path, f.step)
 
         async with daemon.root_locks[root.path]:
             found = await self._scan(root)
-            latest = await lanes.run(root.path, read_pointer, root)
-            best = await lanes.run(root.path, disk.read_named_pointer, root, config.best_pointer)
+            latest = await lanes.run(root.path, storage.read_pointer, root)
+            named = storage.read_named_pointer
+            best = await lanes.run(root.path, named, root, config.best_pointer)
             # Both pointers durable before anything they might have named goes.
-            await lanes.run(root.path, fsync_dir, root.path)
+            await lanes.run(root.path, storage.sync_root, root)
             now = time.time()
             # No await from this judgement to marking the steps: a pin or hold that
             # lands from here on sees them being retired and is refused.
@@ -347,7 +351,7 @@ class Retention:
                 return verdicts, []
             self._retiring |= keys
             try:
-                moved, refused = await lanes.run(root.path, disk.retire, root, sorted(going))
+                moved, refused = await lanes.run(root.path, storage.retire, root, sorted(going))
             finally:
                 self._retiring -= keys
             crash_point("retention_after_doom")

@@ -8,7 +8,6 @@ the root's pass. A pin or hold whose step vanished meanwhile is undone and refus
 
 from __future__ import annotations
 
-import os
 import time
 from typing import TYPE_CHECKING
 
@@ -90,12 +89,10 @@ async def _exists(daemon: Host, root: RootConfig, key: SaveKey, *, in_flight: bo
         )
     ):
         return True
-    lanes = daemon.lanes
-    if await lanes.run(root.path, os.path.isdir, root.final_dir(key.step), abandon=True):
+    lanes, storage = daemon.lanes, daemon.storage
+    if await lanes.run(root.path, storage.promoted, root, key.step, abandon=True):
         return True
-    return in_flight and await lanes.run(
-        root.path, os.path.isdir, root.tmp_dir(key.step), abandon=True
-    )
+    return in_flight and await lanes.run(root.path, storage.writing, root, key.step, abandon=True)
 
 
 async def _require_promoted(daemon: Host, root: RootConfig, key: SaveKey) -> None:

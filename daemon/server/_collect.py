@@ -109,9 +109,9 @@ async def _plan(daemon: Collecting, root: RootConfig) -> dict[int, _Step]:
     # An unknown tmp dir counts as orphaned only once it could no longer be a save whose
     # ranks write before they begin.
     min_age = daemon.config.save_timeout or ORPHAN_AGE
-    lanes = daemon.lanes
-    dirs = await lanes.run(root.path, _gc.tmp_dirs, root, attempts, busy, min_age, abandon=True)
-    kept = await lanes.run(root.path, _gc.kept_entries, root, abandon=True)
+    lanes, storage = daemon.lanes, daemon.storage
+    dirs = await lanes.run(root.path, storage.tmp_dirs, root, attempts, busy, min_age, abandon=True)
+    kept = await lanes.run(root.path, storage.kept_entries, root, abandon=True)
     plan: dict[int, _Step] = {}
 
     def at(step: int) -> _Step:
@@ -179,7 +179,9 @@ async def _remove(daemon: Collecting, root: RootConfig, plan: dict[int, _Step]) 
             steps = [n for n, s in plan.items() if s.tmp]
             names = [k.name for s in plan.values() for k in s.kept]
             try:
-                moved, refused = await daemon.lanes.run(root.path, _gc.doom, root, steps, names)
+                moved, refused = await daemon.lanes.run(
+                    root.path, daemon.storage.doom, root, steps, names
+                )
             except OSError as exc:
                 raise RequestError(
                     p.ErrorCode.INVALID_STATE,
@@ -201,7 +203,7 @@ async def _remove(daemon: Collecting, root: RootConfig, plan: dict[int, _Step]) 
     problems = [f"cannot move {path} into the trash: {why}" for path, why in refused.items()]
     if moved:
         try:
-            await daemon.lanes.run(root.path, _gc.sync_doomed, root)
+            await daemon.lanes.run(root.path, daemon.storage.sync_doomed, root)
         except OSError as exc:
             problems.append(f"the renames into the trash may not be durable: {exc.strerror}")
     crash_point("gc_after_doom")

@@ -25,7 +25,7 @@ from ..config._config import RootConfig
 from ..host._host import Host
 from ..ledger._holds import Holds
 from ..ledger._ledger import SaveKey, SaveRecord, SetAside
-from ..store import _attempts
+from ..store._attempts import Prepared
 
 __all__ = ["AttemptDirs"]
 
@@ -95,14 +95,14 @@ class AttemptDirs:
             with anyio.CancelScope(shield=True):
                 async with daemon.root_locks[root.path]:
                     done = await self._run(
-                        root, _attempts.prepare, root, key.step, save.attempt, save.world_size
+                        root, daemon.storage.prepare, root, key.step, save.attempt, save.world_size
                     )
         except OSError as exc:
             reason = f"could not prepare {root.tmp_dir(key.step)}: {exc.strerror or exc}"
             self._failed[(key, save.attempt)] = reason
             await daemon.commit(daemon.ledger.rejected(key, reason, daemon.clock()))
             raise RequestError(p.ErrorCode.STEP_FAILED, f"step {key.step}: {reason}") from None
-        assert isinstance(done, _attempts.Prepared)
+        assert isinstance(done, Prepared)
         if done.moved is not None:
             daemon.events.emit(
                 "save.set_aside",
@@ -149,7 +149,7 @@ class AttemptDirs:
         root = daemon.configured(key.root)
         try:
             async with daemon.root_locks[root.path]:
-                moved = await self._run(root, _attempts.set_aside, root, key.step, attempt)
+                moved = await self._run(root, daemon.storage.set_aside, root, key.step, attempt)
         except OSError as exc:
             daemon.events.emit(
                 "save.set_aside_failed",

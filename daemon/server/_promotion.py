@@ -9,7 +9,6 @@ outcome), never redone.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -26,11 +25,10 @@ from ..base._faults import crash_point
 from ..config._config import RootConfig
 from ..host._host import Host
 from ..ledger._ledger import SaveKey
-from ..store import _fence, _markers
-from ..store import _promote as _promoter
+from ..store._fence import ClaimedError
 from ..store._promote import Promotion
 from ..store._storage import Storage
-from ..store._verify import Manifest, read_manifest, scan_save
+from ..store._verify import Manifest
 
 __all__ = ["Promoter"]
 
@@ -39,13 +37,11 @@ class Promoter:
     """Starts and tracks the promotions of one daemon.
 
     Args:
-        daemon: The daemon whose ledger, journal and events the promotions use.
-        storage: Filesystem writes of promotion.
+        daemon: The daemon whose ledger, journal, storage and events the promotions use.
     """
 
-    def __init__(self, daemon: Host, storage: Storage) -> None:
+    def __init__(self, daemon: Host) -> None:
         self._daemon = daemon
-        self._storage = storage
         self._running = 0
         self._idle = anyio.Event()
         self._idle.set()
@@ -80,7 +76,7 @@ class Promoter:
                 self._idle.set()
 
     async def _promote_locked(self, root: RootConfig, key: SaveKey) -> None:
-        daemon, ledger = self._daemon, self._daemon.ledger
+        daemon, ledger, storage = self._daemon, self._daemon.ledger, self._daemon.storage
         save = ledger.get(key)
         if save is None or save.state not in (p.SaveState.VERIFYING, p.SaveState.PROMOTING):
             return
@@ -94,11 +90,12 @@ class Promoter:
         # never return to tmp_step_N, where a new attempt may be writing.
         source = save.set_aside if save.rescued else None
         try:
-            if resumed and await lane.run(_renamed, root, key.step, source):
+            tmp = source or root.tmp_dir(key.step)
+            if resumed and await lane.run(storage.promotion_landed, root, key.step, tmp):
                 # The rename happened before the restart: finish, never redo it.
-                manifest = await lane.run(read_manifest, root.final_dir(key.step))
+                manifest = await lane.run(storage.read_manifest, root.final_dir(key.step))
                 node = None if fence is None else fence[0]
-                done = await lane.run(_promoter.finish, self._storage, root, key.step, node)
+                done = await lane.run(storage.finish, root, key.step, node)
             else:
                 # One thread of the root's lane verifies and promotes; it journals the
                 # intent through the event loop (by the loop's token: the thread is not
@@ -109,7 +106,7 @@ class Promoter:
                 intent = None if resumed else journal_intent
                 manifest, done = await lane.run(
                     _verify_and_promote,
-                    self._storage,
+                    storage,
                     root,
                     key.step,
                     save.world_size,
@@ -119,7 +116,7 @@ class Promoter:
                     fence,
                     source,
                 )
-        except _fence.ClaimedError as exc:
+        except ClaimedError as exc:
             daemon.events.emit(
                 "checkpoint.claimed", "warning", root=key.root, step=key.step, reason=str(exc)
             )
@@ -143,7 +140,7 @@ class Promoter:
             # The other nodes report the step promoted only on this word: written once
             # the rename is durable, never on the sight of step_N alone.
             try:
-                said = partial(_markers.write_verdict, promoted=True)
+                said = partial(storage.write_verdict, promoted=True)
                 await lane.run(said, root, key.step, save.attempt, fence[0], "")
             except OSError as exc:
                 daemon.events.emit(
@@ -210,20 +207,19 @@ def _verify_and_promote(
     """
     tmp = source or root.tmp_dir(step)
     try:
-        identity = _promoter.identity(tmp)
+        identity = storage.identity(tmp)
     except FileNotFoundError:
         raise VerificationError(f"{tmp} does not exist") from None
     if fence is not None:
-        _fence.claim(root, step, *fence, tmp)
+        storage.claim(root, step, *fence, tmp)
     try:
-        manifest = scan_save(root, step, world_size, reported, attempt, source)
+        manifest = storage.scan_save(root, step, world_size, reported, attempt, source)
     except VerificationError:
         if fence is not None:
-            _fence.release(root, step, *fence, tmp)
+            storage.release(root, step, *fence, tmp)
         raise
     node = None if fence is None else fence[0]
-    done = _promoter.promote(
-        storage,
+    done = storage.promote(
         root,
         step,
         manifest,
@@ -233,9 +229,3 @@ def _verify_and_promote(
         source=source,
     )
     return manifest, done
-
-
-def _renamed(root: RootConfig, step: int, source: str | None = None) -> bool:
-    """Whether a journaled promotion already renamed its directory to ``step_N``."""
-    tmp = source or root.tmp_dir(step)
-    return os.path.isdir(root.final_dir(step)) and not os.path.lexists(tmp)

@@ -14,8 +14,6 @@ from ..config._config import RootConfig
 from ..host._host import Recovering
 from ..ledger._ledger import SaveKey
 from ..ledger._records import Replay
-from ..store import _gc
-from ..store._layout import write_layout
 
 __all__ = ["recover", "scan_roots"]
 
@@ -98,13 +96,15 @@ async def _scan_root(
     not know is reported (``save.orphaned``) and added to ``found``.
     """
     try:
-        await daemon.lanes.run(root.path, write_layout, root)
+        await daemon.lanes.run(root.path, daemon.storage.write_layout, root)
     except OSError as exc:
         # Clients then fall back to the default names while the daemon is down.
         error = exc.strerror or str(exc)
         daemon.events.emit("root.layout_failed", "warning", root=root.path, error=error)
     try:
-        steps = await daemon.lanes.run(root.path, _gc.unknown_tmp_dirs, root, (), abandon=True)
+        steps = await daemon.lanes.run(
+            root.path, daemon.storage.unknown_tmp_dirs, root, (), abandon=True
+        )
     except OSError as exc:
         error = exc.strerror or str(exc)
         daemon.events.emit("root.scan_failed", "warning", root=root.path, error=error)

@@ -36,7 +36,6 @@ from ..base._events import set_log_level
 from ..config._config import Config, RootConfig
 from ..host._host import Recovering
 from ..ops._reload import ReloadPlan, plan_reload, refusal, summary
-from ..store._layout import write_layout
 from . import _systemd
 from ._recovery import scan_roots
 
@@ -188,7 +187,7 @@ class Reloader:
     async def _rewrite_layout(self, root: RootConfig) -> None:
         daemon = self._daemon
         try:
-            await daemon.lanes.run(root.path, write_layout, root)
+            await daemon.lanes.run(root.path, daemon.storage.write_layout, root)
         except OSError as exc:
             error = exc.strerror or str(exc)
             daemon.events.emit("root.layout_failed", "warning", root=root.path, error=error)

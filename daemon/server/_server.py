@@ -36,16 +36,14 @@ from ..ops._health import HealthCheck
 from ..ops._reload import reloaded_root_check
 from ..retention.applier import Retention
 from ..retention.state import checked_metrics
-from ..store import _attempts
+from ..store._attempts import new_attempt_id
 from ..store._journal import Journal
 from ..store._lanes import Lanes
 from ..store._local import LocalStorage
 from ..store._mounts import is_local, mount_table
-from ..store._paths import check_relative, check_tmp_dir
-from ..store._promote import latest_promoted
+from ..store._paths import check_relative
 from ..store._storage import Storage
 from ..store._trash import TrashRemover
-from ..store._verify import scan_save
 from ._collect import collect
 from ._connection import Connection
 from ._owners import AttemptDirs
@@ -102,7 +100,9 @@ class Daemon:
         self.collecting: set[SaveKey] = set()  # steps gc is removing right now (_collect)
         self.trash = TrashRemover(self.events, config.roots)
         """Deletes what gc doomed, in the background; started by ``serve``."""
-        self.promoter = Promoter(self, storage or LocalStorage())
+        self.storage: Storage = storage or LocalStorage()
+        """Every effect on the roots (:mod:`daemon.store._storage`)."""
+        self.promoter = Promoter(self)
         self.lanes = Lanes(
             [r.path for r in config.roots],
             threads=config.root_threads,
@@ -340,7 +340,9 @@ class Daemon:
                 )
             case p.Latest(root=root_path):
                 root = self.configured(root_path)
-                step_found = await self.lanes.run(root.path, latest_promoted, root, abandon=True)
+                step_found = await self.lanes.run(
+                    root.path, self.storage.latest_promoted, root, abandon=True
+                )
                 if step_found is None:
                     raise RequestError(p.ErrorCode.NOT_FOUND, f"{root.path} has no promoted step")
                 path = root.final_dir(step_found)
@@ -378,7 +380,7 @@ class Daemon:
             and request.attempt is None
         ):
             final = root.final_dir(request.step)
-            if not await self.lanes.run(root.path, os.path.lexists, final, abandon=True):
+            if not await self.lanes.run(root.path, self.storage.present, final, abandon=True):
                 # Promoted once, then deleted by hand: the step may be saved afresh.
                 self.ledger.forget(key)
                 await self.commit([])
@@ -386,7 +388,7 @@ class Daemon:
                     "checkpoint.gone", "warning", root=root.path, step=key.step, path=final
                 )
                 known = self.ledger.get(key)
-        fresh = _attempts.new_attempt_id()
+        fresh = new_attempt_id()
         if known is None or self.ledger.starts_new_attempt(
             key, conn, resent=request.resent, attempt=request.attempt
         ):
@@ -439,9 +441,11 @@ class Daemon:
                 p.ErrorCode.INVALID_STATE, f"{root.tmp_dir(key.step)} is being removed by gc; retry"
             )
         if root.path in self._local:
-            check_tmp_dir(root, key.step)  # two lstats on a local disk: not worth a thread
+            self.storage.check_tmp_dir(root, key.step)  # two lstats on a local disk
         else:
-            await self.lanes.run(root.path, check_tmp_dir, root, key.step, abandon=True)
+            await self.lanes.run(
+                root.path, self.storage.check_tmp_dir, root, key.step, abandon=True
+            )
         reloaded_root_check(self.config, self.retiring, root)  # after the last await
 
     async def settled(self, request: p.Wait, root: RootConfig) -> p.WaitReply:
@@ -455,14 +459,14 @@ class Daemon:
                 or self.nodes.reporting(key)  # failed, but not yet written out
             ):
                 if save is None and await self.lanes.run(
-                    root.path, os.path.isdir, root.final_dir(request.step), abandon=True
+                    root.path, self.storage.promoted, root, request.step, abandon=True
                 ):
                     break
                 await self._wait_for(key)
         save = self.ledger.get(key)
         if save is None:
             final = root.final_dir(key.step)
-            if await self.lanes.run(root.path, os.path.isdir, final, abandon=True):
+            if await self.lanes.run(root.path, self.storage.promoted, root, key.step, abandon=True):
                 return p.WaitReply(id=request.id, state="promoted", path=final)
             return p.WaitReply(id=request.id, state="pending")
         attempt = save.attempt or None
@@ -515,11 +519,11 @@ class Daemon:
             # in the trash: they never return to tmp_step_N, where a new attempt writes.
             source = None
             if save is not None and save.state is p.SaveState.FAILED and save.set_aside:
-                exists = os.path.isdir
-                if await self.lanes.run(root.path, exists, save.set_aside, abandon=True):
+                kept = self.storage.directory
+                if await self.lanes.run(root.path, kept, save.set_aside, abandon=True):
                     source = save.set_aside
             tmp = source or root.tmp_dir(step)
-            marker = await self.lanes.run(root.path, _attempts.read_marker, tmp, abandon=True)
+            marker = await self.lanes.run(root.path, self.storage.read_attempt, tmp, abandon=True)
             attempt = save.attempt if save is not None else ""
             if save is None and marker is not None:
                 attempt = marker.attempt  # a step no journal knows: its directory says whose
@@ -531,7 +535,7 @@ class Daemon:
             try:
                 manifest = await self.lanes.run(
                     root.path,
-                    scan_save,
+                    self.storage.scan_save,
                     root,
                     step,
                     world_size,

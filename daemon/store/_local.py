@@ -144,6 +144,14 @@ class LocalStorage:
         """See :meth:`daemon.store._storage.Storage.writing`."""
         return os.path.isdir(root.tmp_dir(step))
 
+    def present(self, path: str) -> bool:
+        """See :meth:`daemon.store._storage.Storage.present`."""
+        return os.path.lexists(path)
+
+    def directory(self, path: str) -> bool:
+        """See :meth:`daemon.store._storage.Storage.directory`."""
+        return os.path.isdir(path)
+
     def promotion_landed(self, root: RootConfig, step: int, tmp: str) -> bool:
         """See :meth:`daemon.store._storage.Storage.promotion_landed`."""
         return os.path.isdir(root.final_dir(step)) and not os.path.lexists(tmp)

@@ -90,6 +90,14 @@ class Storage(Protocol):
         """Whether ``step`` of ``root`` has a save directory (``tmp_step_N`` exists)."""
         ...
 
+    def present(self, path: str) -> bool:
+        """Whether anything (a checkpoint, a save directory) is at ``path`` in a root."""
+        ...
+
+    def directory(self, path: str) -> bool:
+        """Whether ``path`` in a root is a directory (a save set aside, a checkpoint)."""
+        ...
+
     def promotion_landed(self, root: RootConfig, step: int, tmp: str) -> bool:
         """Whether a rename of ``tmp`` to ``step_N`` happened (``step_N`` and no ``tmp``)."""
         ...
