@@ -9,7 +9,7 @@ the root's pass. A pin or hold whose step vanished meanwhile is undone and refus
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from orchestrator import protocol as p
 
@@ -17,15 +17,41 @@ from ..base._errors import RequestError
 from ..config._config import RootConfig
 from ..host._host import Host
 from ..ledger._saves import SaveKey
+from .policy import Verdict
+from .state import RetentionState
 
-if TYPE_CHECKING:
-    from .applier import Retention
+__all__ = ["Retaining", "answer"]
 
-__all__ = ["answer"]
+
+class Retaining(Protocol):
+    """What the requests need of retention (:class:`daemon.retention.applier.Retention`)."""
+
+    @property
+    def state(self) -> RetentionState:
+        """Metrics, pins and holds."""
+        ...
+
+    def kick(self, root: str) -> None:
+        """Run a pass over ``root`` soon."""
+        ...
+
+    def retiring(self, key: SaveKey) -> bool:
+        """Whether ``key`` is being retired right now."""
+        ...
+
+    def prunes(self, root: RootConfig) -> bool:
+        """Whether this daemon prunes ``root``."""
+        ...
+
+    async def run_pass(
+        self, root: RootConfig, *, apply: bool
+    ) -> tuple[list[Verdict], int | None, list[int]]:
+        """Judge ``root``'s steps (and, with ``apply``, retire what goes)."""
+        ...
 
 
 async def answer(
-    retention: Retention, daemon: Host, request: p.Score | p.Pin | p.Unpin | p.Hold | p.Retention
+    retention: Retaining, daemon: Host, request: p.Score | p.Pin | p.Unpin | p.Hold | p.Retention
 ) -> p.Ack | p.RetentionReply:
     """Answer ``score``, ``pin``, ``unpin``, ``hold`` or ``retention``.
 
@@ -72,7 +98,7 @@ async def answer(
     return p.Ack(id=request.id)
 
 
-def _not_retiring(retention: Retention, key: SaveKey) -> None:
+def _not_retiring(retention: Retaining, key: SaveKey) -> None:
     if retention.retiring(key):
         raise RequestError(p.ErrorCode.INVALID_STATE, f"step {key.step} is being retired right now")
 
@@ -102,7 +128,7 @@ async def _require_promoted(daemon: Host, root: RootConfig, key: SaveKey) -> Non
         )
 
 
-async def _report(retention: Retention, request: p.Retention, root: RootConfig) -> p.RetentionReply:
+async def _report(retention: Retaining, request: p.Retention, root: RootConfig) -> p.RetentionReply:
     config = root.retention
     if config is None:
         info = p.RetentionInfo(policy="", prunes=False)

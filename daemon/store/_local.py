@@ -105,6 +105,21 @@ class LocalStorage:
         """See :func:`daemon.store._verify.read_manifest`."""
         return _verify.read_manifest(path)
 
+    def verify_checkpoint(self, path: str) -> list[str]:
+        """See :func:`daemon.store._verify.verify_checkpoint`."""
+        return _verify.verify_checkpoint(path)
+
+    def entries(self, root: RootConfig) -> list[str]:
+        """See :meth:`daemon.store._storage.Storage.entries`."""
+        return sorted(os.listdir(root.path))
+
+    def set_aside_entries(self, root: RootConfig) -> list[str]:
+        """See :meth:`daemon.store._storage.Storage.set_aside_entries`."""
+        try:
+            return sorted(os.listdir(os.path.join(root.path, _attempts.TRASH)))
+        except FileNotFoundError:
+            return []
+
     def identity(self, path: str) -> tuple[int, int]:
         """See :func:`daemon.store._promote.identity`."""
         return _promote.identity(path)

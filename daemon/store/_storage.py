@@ -56,6 +56,18 @@ class Storage(Protocol):
         """The manifest of the promoted checkpoint at ``path``."""
         ...
 
+    def verify_checkpoint(self, path: str) -> list[str]:
+        """What is wrong with the promoted checkpoint at ``path`` (empty: nothing)."""
+        ...
+
+    def entries(self, root: RootConfig) -> list[str]:
+        """The names in the root (checkpoints, save directories, pointers), sorted."""
+        ...
+
+    def set_aside_entries(self, root: RootConfig) -> list[str]:
+        """The names in the root's trash (failed attempts set aside), sorted."""
+        ...
+
     def identity(self, path: str) -> tuple[int, int]:
         """An identity of the directory ``path`` that changes if it is replaced."""
         ...
