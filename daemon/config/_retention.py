@@ -24,7 +24,17 @@ from typing import Any, Final, Literal
 
 from ..base._errors import ConfigError
 
-__all__ = ["DEFAULT_GRACE_S", "KeepBest", "Policy", "RetentionConfig", "parse_retention"]
+__all__ = [
+    "DEFAULT_GRACE_S",
+    "MAX_METRICS",
+    "KeepBest",
+    "Policy",
+    "RetentionConfig",
+    "parse_retention",
+]
+
+MAX_METRICS: Final = 256
+"""Metrics kept per step; more are refused (``score``, ``done``) or ignored (files)."""
 
 DEFAULT_GRACE_S: Final = 3600.0
 """Seconds an unscored checkpoint is kept for an evaluation job to score it."""

@@ -32,8 +32,8 @@ from orchestrator import protocol as p
 from ..base._errors import RequestError
 from ..base._faults import crash_point
 from ..config._config import RootConfig
+from ..host._holds import Holds
 from ..host._host import Coordinating
-from ..ledger._holds import Holds
 from ..ledger._saves import Effect, MarkNode, NodeFailed, SaveKey, SaveRecord, Watch
 from ..store import _markers
 from ..store._markers import NodeMarker, Seen

@@ -15,18 +15,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Iterable, Mapping
-from typing import Final
 
 from orchestrator.protocol import ErrorCode
 
 from ..base._errors import RequestError
+from ..config._retention import MAX_METRICS
 from ..ledger._records import JHold, JMetrics, JournalRecord, JPin, JRetired
 from ..ledger._saves import SaveKey
 
 __all__ = ["MAX_METRICS", "RetentionState", "RetentionRecord", "checked_metrics"]
-
-MAX_METRICS: Final = 256
-"""Metrics kept per step; more are refused (``score``, ``done``) or ignored (files)."""
 
 RetentionRecord = JMetrics | JPin | JHold | JRetired
 """The journal records this state reads and writes."""

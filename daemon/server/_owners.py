@@ -22,8 +22,8 @@ from orchestrator import protocol as p
 
 from ..base._errors import RequestError
 from ..config._config import RootConfig
+from ..host._holds import Holds
 from ..host._host import Host
-from ..ledger._holds import Holds
 from ..ledger._ledger import SaveKey, SaveRecord, SetAside
 from ..store._attempts import Prepared
 

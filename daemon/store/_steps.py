@@ -23,7 +23,7 @@ from typing import Any, Final
 import msgspec
 
 from ..config._config import RootConfig
-from ..retention.state import MAX_METRICS
+from ..config._retention import MAX_METRICS
 from . import _gc
 from ._attempts import read_marker
 from ._durable import fsync_dir, write_atomic

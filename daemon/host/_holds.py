@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import anyio
 
-from ._saves import SaveKey
+from ..ledger._saves import SaveKey
 
 __all__ = ["Holds"]
 
