@@ -1,6 +1,6 @@
 """What the daemon's parts need of the daemon: small Protocols, so none imports the server.
 
-:class:`daemon._server.Daemon` satisfies each of them. A part that runs on behalf of the
+:class:`daemon.server._server.Daemon` satisfies each of them. A part that runs on behalf of the
 daemon (a connection, a promotion, gc, recovery, the attempt directories) is given the
 daemon as one of these, which keeps ``_server`` at the top of the import graph: it
 imports its parts; they import only what they use.
@@ -45,7 +45,7 @@ class Host(Protocol):
 
     @property
     def trash(self) -> _Pauses:
-        """The background remover (``daemon._trash``): paused while a root promotes."""
+        """The background remover (``daemon.store._trash``): paused while a root promotes."""
         ...
 
     @property

@@ -2,7 +2,7 @@
 
 Every deadline of every save goes into one heap (stale entries are skipped as they come
 up), so the server's timekeeper learns the next instant anything is due without
-scanning the saves. Pure: time comes in as an argument. :class:`daemon._ledger.Ledger`
+scanning the saves. Pure: time comes in as an argument. :class:`daemon.ledger._ledger.Ledger`
 inherits these rules.
 """
 
@@ -21,9 +21,10 @@ __all__ = ["Deadlines"]
 
 
 class Deadlines:
-    """Deadline rules of :class:`daemon._ledger.Ledger` (a mixin over its state)."""
+    """Deadline rules of :class:`daemon.ledger._ledger.Ledger` (a mixin over its state)."""
 
     _saves: dict[SaveKey, SaveRecord]
+    _by_conn: dict[int, set[tuple[SaveKey, int]]]
     _deadlines: list[tuple[float, SaveKey]]
     _lease: float
     _save_timeout: float | None
@@ -125,4 +126,21 @@ class Deadlines:
                             {**_ids(save.key, rank), "lease_s": self._lease},
                         )
                     )
+        return effects
+
+    def disconnect(self, conn: int, now: float) -> list[Effect]:
+        """A connection closed: each rank it held mid-save starts its lease."""
+        effects: list[Effect] = []
+        for key, rank in sorted(self._by_conn.pop(conn, set())):
+            save = self._saves.get(key)
+            record = None if save is None else save.ranks.get(rank)
+            if save is None or record is None or record.conn != conn:
+                continue
+            record.conn = None
+            if save.state is SaveState.OPEN and record.state is RankState.WRITING:
+                record.lease_deadline = now + self._lease
+                self._arm(record.lease_deadline, key)
+                effects.append(
+                    Emit("save.rank_disconnected", {**_ids(key, rank), "lease_s": self._lease})
+                )
         return effects

@@ -21,29 +21,24 @@ from orchestrator.protocol import ErrorCode, FileEntry, RankState, SaveState
 from ..base._errors import RequestError
 from . import _replay
 from ._deadlines import Deadlines
+from ._outcomes import Outcomes
 from ._records import (
     JBegin,
     JDone,
-    JFail,
     JForget,
     JIntent,
     JournalRecord,
     JPromoted,
-    JRescue,
-    JSaveFailed,
-    JSetAside,
 )
 from ._saves import (
     Effect,
     Emit,
-    NodeFailed,
     RankRecord,
     SaveKey,
     SaveRecord,
     SetAside,
     Settled,
     Verify,
-    ranges,
 )
 from ._saves import ids as _ids
 from ._spanning import SpanningLedger
@@ -65,7 +60,7 @@ _CLOSED = frozenset({SaveState.VERIFYING, SaveState.PROMOTING})
 _PROMOTED_OWN = frozenset({"root", "step", "path", "duration_s", "attempt"})
 
 
-class Ledger(Deadlines, SpanningLedger):
+class Ledger(Deadlines, SpanningLedger, Outcomes):
     """Tracks every save the daemon knows and decides when one may be promoted.
 
     Args:
@@ -326,23 +321,6 @@ class Ledger(Deadlines, SpanningLedger):
                 "report comes too late",
             )
 
-    def disconnect(self, conn: int, now: float) -> list[Effect]:
-        """A connection closed: each rank it held mid-save starts its lease."""
-        effects: list[Effect] = []
-        for key, rank in sorted(self._by_conn.pop(conn, set())):
-            save = self._saves.get(key)
-            record = None if save is None else save.ranks.get(rank)
-            if save is None or record is None or record.conn != conn:
-                continue
-            record.conn = None
-            if save.state is SaveState.OPEN and record.state is RankState.WRITING:
-                record.lease_deadline = now + self._lease
-                self._arm(record.lease_deadline, key)
-                effects.append(
-                    Emit("save.rank_disconnected", {**_ids(key, rank), "lease_s": self._lease})
-                )
-        return effects
-
     # -- inputs from the promoter ------------------------------------------------------
 
     def verified(self, key: SaveKey) -> list[Effect]:
@@ -381,73 +359,6 @@ class Ledger(Deadlines, SpanningLedger):
             return []
         return self._fail_save(save, reason, now)
 
-    def rescue(
-        self, key: SaveKey, now: float, *, attempt: str = "", world_size: int = 0
-    ) -> list[Effect]:
-        """An operator vouches for a step: verify it and, if sound, promote it.
-
-        The one way out of ``FAILED``, and only on an explicit command: for a step
-        whose trainer died after its writes landed. Ranks still writing on a live
-        connection, or a promotion under way, refuse it.
-
-        Args:
-            key: The save.
-            now: Ledger time.
-            attempt: For a step the ledger does not know: the attempt its directory's
-                marker names, if any.
-            world_size: For a step the ledger does not know: its world size, when its
-                node markers say (0: unknown).
-
-        Raises:
-            RequestError: the step is promoted, being promoted, or still being written.
-        """
-        save = self._saves.get(key)
-        if save is None:
-            save = SaveRecord(
-                key=key, world_size=world_size, first_begin=now, deadline=None, attempt=attempt
-            )
-            self._saves[key] = save
-            self._unsettled += 1
-        elif save.state is SaveState.PROMOTED:
-            raise RequestError(ErrorCode.ALREADY_PROMOTED, f"step {key.step} is already promoted")
-        elif save.state in (SaveState.VERIFYING, SaveState.PROMOTING):
-            raise RequestError(ErrorCode.INVALID_STATE, f"step {key.step} is {save.state} already")
-        elif save.state is SaveState.OPEN:
-            live = [
-                r
-                for r, rec in save.ranks.items()
-                if rec.state is RankState.WRITING and rec.conn is not None
-            ]
-            if live:
-                raise RequestError(
-                    ErrorCode.INVALID_STATE,
-                    f"step {key.step} is still being written by ranks {ranges(sorted(live))}",
-                )
-        previous = save.state
-        if previous is SaveState.FAILED:
-            self._unsettled += 1
-        save.state = SaveState.VERIFYING
-        save.rescued = True
-        save.reason = None
-        save.settled_at = None
-        for record in save.ranks.values():
-            record.lease_deadline = None
-        save.gather_deadline = None
-        save.learned = False  # the operator's verdict replaces what was learned
-        save.fenced = save.fenced or world_size > 0 or save.spans
-        if save.world_size == 0:
-            save.world_size = world_size
-        self._record(
-            JRescue(key.root, key.step, now, save.attempt, save.world_size if save.fenced else 0)
-        )
-        event = {
-            "root": key.root,
-            "step": key.step,
-            "attempt": save.attempt,
-            "previous": str(previous),
-        }
-        return [Emit("checkpoint.rescue", event, "warning"), Verify(key)]
-
     def forget(self, key: SaveKey) -> None:
         """Drop a settled save (its files were removed by ``gc``)."""
         save = self._saves.get(key)
@@ -469,7 +380,7 @@ class Ledger(Deadlines, SpanningLedger):
     def replay(self, record: JournalRecord, now: float) -> None:
         """Apply one journaled record (``now``: its time in ledger time). No effects.
 
-        See :func:`daemon._replay.replay`.
+        See :func:`daemon.ledger._replay.replay`.
 
         Raises:
             RequestError: the record does not fit the ledger (e.g. a duplicate kept by
@@ -520,108 +431,3 @@ class Ledger(Deadlines, SpanningLedger):
             found = "unknown" if save is None else save.state
             raise RuntimeError(f"save {key} is {found}, expected {state}")
         return save
-
-    def _refuse_settled(self, save: SaveRecord) -> None:
-        if save.state is SaveState.PROMOTED:
-            raise RequestError(
-                ErrorCode.ALREADY_PROMOTED, f"step {save.key.step} is already promoted"
-            )
-        if save.state is SaveState.FAILED:
-            raise RequestError(
-                ErrorCode.STEP_FAILED,
-                f"step {save.key.step} failed ({save.reason}); attempt "
-                f"{save.attempt or '(unnamed)'} cannot resume (a new job's begin starts the "
-                "step over)",
-            )
-
-    def _reattach(
-        self, save: SaveRecord, rank: int, record: RankRecord, conn: int | None
-    ) -> list[Effect]:
-        if conn is not None:
-            save.conns.add(conn)
-        if record.conn == conn:
-            return []
-        self._detach(record.conn, save.key, rank)
-        record.conn = conn
-        self._attach(conn, save.key, rank)
-        if record.lease_deadline is None:
-            return []
-        record.lease_deadline = None
-        return [Emit("save.rank_reconnected", _ids(save.key, rank))]
-
-    def _attach(self, conn: int | None, key: SaveKey, rank: int) -> None:
-        if conn is not None:
-            self._by_conn.setdefault(conn, set()).add((key, rank))
-
-    def _detach(self, conn: int | None, key: SaveKey, rank: int) -> None:
-        if conn is not None and conn in self._by_conn:
-            self._by_conn[conn].discard((key, rank))
-
-    def _fail_rank(
-        self, save: SaveRecord, rank: int, record: RankRecord, reason: str, now: float
-    ) -> list[Effect]:
-        record.state = RankState.FAILED
-        record.reason = reason
-        record.lease_deadline = None
-        self._record(JFail(save.key.root, save.key.step, rank, reason, now))
-        effects: list[Effect] = [
-            Emit("save.rank_failed", {**_ids(save.key, rank), "reason": reason}, "warning")
-        ]
-        return effects + self._fail_save(save, reason, now, journal=False)
-
-    def _fail_save(
-        self,
-        save: SaveRecord,
-        reason: str,
-        now: float,
-        *,
-        journal: bool = True,
-        learned: bool = False,
-    ) -> list[Effect]:
-        if journal:  # a rank's failure already recorded the save's
-            self._record(JSaveFailed(save.key.root, save.key.step, reason, now))
-        save.state = SaveState.FAILED
-        save.reason = reason
-        save.gather_deadline = None
-        for record in save.ranks.values():
-            record.lease_deadline = None
-        self._settle(save, now)
-        event = {
-            "root": save.key.root,
-            "step": save.key.step,
-            "attempt": save.attempt,
-            "reason": reason,
-        }
-        report = (Emit("checkpoint.failed", event, "error"), Settled(save.key))
-        if self._replaying:
-            return list(report)
-        if save.spans and not save.rescued:
-            # The other nodes learn it from the shared directory before it is reported.
-            failed = NodeFailed(
-                save.key, save.attempt, reason, save.leader, report, announce=not learned
-            )
-            return [failed]
-        # Reported only once the failed attempt's files are out of the way.
-        return [SetAside(save.key, save.attempt, report)]
-
-    def set_aside(self, key: SaveKey, attempt: str, path: str, now: float) -> None:
-        """The failed attempt ``attempt``'s directory was moved to ``path``."""
-        save = self._saves.get(key)
-        if save is None or save.attempt != attempt or save.state is not SaveState.FAILED:
-            return  # replaced by a newer attempt meanwhile: the trash name still says whose
-        save.set_aside = path
-        self._record(JSetAside(key.root, key.step, attempt, path, now))
-
-    def _settle(self, save: SaveRecord, now: float) -> None:
-        self._unsettled -= 1
-        save.settled_at = now
-        for rank, record in save.ranks.items():
-            # A settled save needs no connection: no lease can start for it any more.
-            self._detach(record.conn, save.key, rank)
-            record.conn = None
-        self._settled.append((save.key, save))
-        while len(self._settled) > self._history:
-            key, old = self._settled.popleft()
-            # Only this record: the key may have been forgotten and begun again since.
-            if self._saves.get(key) is old:
-                del self._saves[key]

@@ -34,7 +34,7 @@ __all__ = ["Replayable", "replay", "snapshot"]
 
 
 class Replayable(Protocol):
-    """The ledger's inputs that :func:`replay` drives (``daemon._ledger.Ledger``)."""
+    """The ledger's inputs that :func:`replay` drives (``daemon.ledger._ledger.Ledger``)."""
 
     def get(self, key: SaveKey) -> SaveRecord | None: ...
 

@@ -1,6 +1,6 @@
 """What the ledger keeps of each save, and the effects it asks the daemon to carry out.
 
-Plain data: no I/O, no clock. :mod:`daemon._ledger` changes these records and returns
+Plain data: no I/O, no clock. :mod:`daemon.ledger._ledger` changes these records and returns
 effects; the server turns the effects into events, promotions, directory moves and woken
 waiters.
 """

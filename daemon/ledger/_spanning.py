@@ -8,7 +8,7 @@ they cover ranks ``0..world_size-1``, then verifies and promotes as a single nod
 Every other node learns the outcome from the shared directory
 (:meth:`SpanningLedger.learned`). A failure anywhere fails the step everywhere.
 
-Pure, like the rest of the ledger: no I/O, no clock; :class:`daemon._ledger.Ledger`
+Pure, like the rest of the ledger: no I/O, no clock; :class:`daemon.ledger._ledger.Ledger`
 inherits these rules.
 """
 
@@ -38,7 +38,7 @@ __all__ = ["SpanningLedger"]
 
 
 class SpanningLedger:
-    """Multi-node rules of :class:`daemon._ledger.Ledger` (a mixin over its state)."""
+    """Multi-node rules of :class:`daemon.ledger._ledger.Ledger` (a mixin over its state)."""
 
     _saves: dict[SaveKey, SaveRecord]
     _node_timeout: float

@@ -1,16 +1,16 @@
 """The I/O side of saves that span nodes: attempts agreed, markers written and read.
 
-:class:`Nodes` carries out, for one daemon, what :mod:`daemon._spanning` decides:
+:class:`Nodes` carries out, for one daemon, what :mod:`daemon.ledger._spanning` decides:
 
 - a node that has not seen global rank 0 takes the attempt the leader wrote into
   ``tmp_step_N`` (:meth:`Nodes.attempt_for`), so every node's ranks join one attempt;
 - once this node's ranks are done it checks their files and writes its marker
-  (:class:`~daemon._saves.MarkNode`);
+  (:class:`~daemon.ledger._saves.MarkNode`);
 - the leader then watches the shared directory for the other nodes' markers, every
-  other node for the outcome (:class:`~daemon._saves.Watch`): with watchfiles on a local
+  other node for the outcome (:class:`~daemon.ledger._saves.Watch`): with watchfiles on a local
   filesystem, by polling on a shared one, where inotify cannot see other machines'
   writes;
-- a failure is written where the other nodes look (:class:`~daemon._saves.NodeFailed`)
+- a failure is written where the other nodes look (:class:`~daemon.ledger._saves.NodeFailed`)
   before it is reported here.
 
 Every blocking call runs in the root's lane, so a hung mount delays only its root.

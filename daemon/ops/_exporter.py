@@ -2,7 +2,7 @@
 
 ``metrics_listen = "HOST:PORT"`` serves ``/metrics`` from ``prometheus_client``'s HTTP
 server, in threads of its own; the sampled gauges are read on the event loop
-(:class:`daemon._metrics.Metrics`). ``metrics_textfile = PATH`` writes the same text to
+(:class:`daemon.ops._metrics.Metrics`). ``metrics_textfile = PATH`` writes the same text to
 ``PATH`` through a temporary file in its directory and a rename, so node_exporter's
 textfile collector reads the old file or the new one, never a part: after every change
 (at most once a second) and at least every :data:`REFRESH` seconds, so the file's mtime

@@ -46,7 +46,7 @@ class _Journal(Protocol):
 
 
 class Checked(Protocol):
-    """What the check reads (``daemon._server.Daemon``)."""
+    """What the check reads (``daemon.server._server.Daemon``)."""
 
     @property
     def config(self) -> Config: ...

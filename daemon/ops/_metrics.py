@@ -103,7 +103,7 @@ class _Journal(Protocol):
 
 
 class Observed(Protocol):
-    """What the gauges are read from (``daemon._server.Daemon``)."""
+    """What the gauges are read from (``daemon.server._server.Daemon``)."""
 
     @property
     def config(self) -> Config: ...

@@ -1,13 +1,14 @@
 """Retention: which promoted checkpoints a root keeps, and removing the rest off the training path.
 
-- :mod:`.policy`: the keep rules as a pure function (no I/O, no clock).
-- :mod:`.config`: the ``[roots.retention]`` table, validated.
+- :mod:`.policy`: the keep rules as a pure function (no I/O, no clock); the policy's
+  types and its ``[roots.retention]`` table are :mod:`daemon.config._retention`'s.
 - :mod:`.state`: metrics, pins and holds (pure; journaled records in, records out).
-- :mod:`.disk`: the blocking filesystem work (finding checkpoints, the ``best`` pointer,
-  renaming retired ones into the trash, reading ``training_info.json``).
-- :mod:`.applier`: the daemon's side: a pass per root after each promotion.
+- :mod:`.applier`: the daemon's side: a pass per root after each promotion, its
+  filesystem work (finding checkpoints, the ``best`` pointer, retiring into the trash,
+  ``training_info.json``) through the storage (:mod:`daemon.store._steps` on POSIX).
 - :mod:`.requests`: ``score``, ``pin``, ``unpin``, ``hold`` and ``retention``.
-- :mod:`.cli`: the ``ckptd`` commands for them.
+
+The ``ckptd`` commands for them are :mod:`daemon.ops._retention_cmds`.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ async def serve(
     Before accepting, rebuilds its state from the journal in ``config.state_dir`` and
     finishes whatever a previous run left half done. On stop: stops accepting, closes
     connections, lets in-flight promotions finish. SIGHUP reloads the configuration with
-    ``reload_config`` (:mod:`daemon._reloader`); SIGUSR1 writes every thread's stack to
+    ``reload_config`` (:mod:`daemon.server._reloader`); SIGUSR1 writes every thread's stack to
     stderr. Metrics are kept and exported when ``config`` asks for them.
 
     Raises:

@@ -4,10 +4,10 @@
 each root's lock and off the event loop:
 
 - before the first ``begin`` of an attempt is acknowledged, ``tmp_step_N`` is made the
-  attempt's (:func:`daemon._attempts.prepare`); every other ``begin`` of the attempt
+  attempt's (:func:`daemon.store._attempts.prepare`); every other ``begin`` of the attempt
   waits for that, so no rank writes before the directory is its attempt's;
 - when an attempt fails, its directory is moved into the trash
-  (:func:`daemon._attempts.set_aside`), journaled, and only then is the failure
+  (:func:`daemon.store._attempts.set_aside`), journaled, and only then is the failure
   reported (its event, woken waiters).
 """
 

@@ -2,7 +2,7 @@
 
 The file is read and validated in a worker thread (``load_config`` looks at each root,
 which on a hung filesystem can block), compared with the running configuration
-(:func:`daemon._reload.plan_reload`), and applied on the event loop without an
+(:func:`daemon.ops._reload.plan_reload`), and applied on the event loop without an
 ``await`` between the checks and the switch, so no request sees half of it:
 
 - a root added gets its lock, its lane, its trash remover, its layout file and the scan
@@ -12,7 +12,7 @@ which on a hung filesystem can block), compared with the running configuration
   last one settles the root is retired (``root.retired``);
 - a root whose options changed runs with the new ones (its layout file is rewritten
   when a directory name changed, which is refused while saves are in flight there);
-- allow lists, log level and the other fields in :data:`daemon._reload.LIVE` apply at
+- allow lists, log level and the other fields in :data:`daemon.ops._reload.LIVE` apply at
   once; fields that need a restart keep their old value and are named in the event.
 
 A file that does not load keeps the old configuration (``config.reload_failed``). The
@@ -55,7 +55,7 @@ class _AddsRoots(Protocol):
 
 
 class Reloadable(Recovering, Protocol):
-    """What a reload changes in the daemon (``daemon._server.Daemon``)."""
+    """What a reload changes in the daemon (``daemon.server._server.Daemon``)."""
 
     config: Config  # read-only to the daemon's parts; a reload sets it
     retiring: dict[str, RootConfig]
@@ -69,7 +69,7 @@ class Reloader:
     """Reloads one daemon's configuration; one reload at a time.
 
     Args:
-        daemon: The running daemon (``daemon._server.Daemon``).
+        daemon: The running daemon (``daemon.server._server.Daemon``).
         load: Loads and validates the configuration afresh (the file and the flags the
             daemon was started with); None: there is nothing to reload from.
         group: Where a retiring root's watch runs.

@@ -118,7 +118,7 @@ class Daemon:
         self.stopping = False
         self.retiring: dict[str, RootConfig] = {}
         """Roots a reload removed whose saves in flight go on to their end; new saves
-        there are refused. Maintained by ``daemon._reloader``."""
+        there are refused. Maintained by ``daemon.server._reloader``."""
         self.journal_error: str | None = None
         """Why the last journal write failed; None once one succeeds."""
         self.health = HealthCheck(self)

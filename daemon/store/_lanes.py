@@ -40,7 +40,7 @@ from ..base._events import Events
 
 
 class _HasLane(Protocol):
-    """What :class:`Lanes` needs of the journal (``daemon._journal.Journal``)."""
+    """What :class:`Lanes` needs of the journal (``daemon.store._journal.Journal``)."""
 
     @property
     def lane(self) -> Lane: ...

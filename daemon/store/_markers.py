@@ -60,9 +60,9 @@ VERDICTS: Final = ".ckptd-verdicts"
 NODE_NAME: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 """What a node name may be: it becomes part of a file name."""
 _MAX_MARKER: Final = 64 * 1024 * 1024
-_MANIFEST: Final = ".ckptd-manifest.json"  # daemon._verify.MANIFEST_NAME (which imports us)
+_MANIFEST: Final = ".ckptd-manifest.json"  # daemon.store._verify.MANIFEST_NAME (which imports us)
 CLAIM: Final = ".ckptd-claim"
-"""The promotion claim in ``tmp_step_N`` (:mod:`daemon._fence`)."""
+"""The promotion claim in ``tmp_step_N`` (:mod:`daemon.store._fence`)."""
 
 NodeState = Literal["writing", "done", "failed"]
 

@@ -114,7 +114,7 @@ def promote(
             if ``tmp_step_N`` is another directory now, nothing is renamed; if the
             renamed one turns out to be another, the rename is undone.
         pointer_node: On a shared root: this node's name, and the pointer is moved
-            under the root's pointer lock (:func:`daemon._fence.pointer_lock`).
+            under the root's pointer lock (:func:`daemon.store._fence.pointer_lock`).
         source: The directory to promote, if not ``tmp_step_N``: a failed attempt's,
             rescued from where it was set aside in the root's trash.
 

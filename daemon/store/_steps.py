@@ -1,11 +1,11 @@
 """Retention's blocking filesystem work: find checkpoints, move ``best``, retire steps.
 
-Run in the root's lane (``daemon._lanes``), never on the event loop. A checkpoint is
+Run in the root's lane (``daemon.store._lanes``), never on the event loop. A checkpoint is
 *complete* when its ``step_N`` is a real directory holding the manifest the daemon wrote
 at promotion, naming this root's step N; anything else named ``step_N`` (a copy, a
 trainer's own directory) is never retired. Retiring a step is one rename of
 ``step_N`` into ``ROOT/.ckptd-trash/delete/`` as ``step_N.retired-<suffix>``; the
-background remover (``daemon._trash``) deletes it from there.
+background remover (``daemon.store._trash``) deletes it from there.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Proof that a save is complete on disk, and the manifest that records it.
 
 Blocking filesystem reads only; the server runs these in worker threads. Nothing here
-unpickles or imports torch: DCP ``.metadata`` is parsed by :mod:`daemon._dcpmeta`.
+unpickles or imports torch: DCP ``.metadata`` is parsed by :mod:`daemon.store._dcpmeta`.
 """
 
 from __future__ import annotations
