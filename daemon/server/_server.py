@@ -16,7 +16,6 @@ import struct
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from importlib.metadata import PackageNotFoundError, version
 
 import anyio
 import msgspec
@@ -24,42 +23,30 @@ from anyio.abc import SocketAttribute, SocketStream
 
 from orchestrator import protocol as p
 
-from ..base._errors import RequestError, VerificationError
+from ..base._errors import RequestError
 from ..base._events import Events
 from ..config._config import Config, RootConfig
-from ..ledger._ledger import Effect, Emit, Ledger, SaveKey, SaveRecord, SetAside, Settled, Verify
+from ..ledger._ledger import Effect, Emit, Ledger, SaveKey, SetAside, Settled, Verify
 from ..ledger._records import JournalRecord
 from ..ledger._saves import MarkNode, NodeFailed, Watch
 from ..nodes._coordinator import Nodes
-from ..nodes._rescue import rescue_markers
 from ..ops._health import HealthCheck
-from ..ops._reload import reloaded_root_check
 from ..retention.applier import Retention
-from ..retention.state import checked_metrics
-from ..store._attempts import new_attempt_id
 from ..store._journal import Journal
 from ..store._lanes import Lanes
 from ..store._local import LocalStorage
 from ..store._mounts import is_local, mount_table
-from ..store._paths import check_relative
 from ..store._storage import Storage
 from ..store._trash import TrashRemover
-from ._collect import collect
 from ._connection import Connection
 from ._owners import AttemptDirs
 from ._promotion import Promoter
+from ._requests import VERSION, Requests
 
 __all__ = ["VERSION", "Daemon"]
 
-try:
-    VERSION = version("ckptd")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree
-    VERSION = "0+unknown"
 
-_SETTLED = (p.SaveState.PROMOTED, p.SaveState.FAILED)
-
-
-class Daemon:
+class Daemon(Requests):
     """The state and request handling of one daemon, independent of how it listens.
 
     Args:
@@ -287,283 +274,6 @@ class Daemon:
                 self.apply(self.ledger.disconnect(conn, self.clock()))
                 self.events.emit("client.disconnected", conn=conn)
 
-    async def dispatch(self, conn: int, request: p.Request) -> msgspec.Struct:
-        """Answer one request other than ``wait`` and ``subscribe``.
-
-        Raises:
-            RequestError: the request must be refused.
-        """
-        now = self.clock
-        match request:
-            case p.Ping():
-                return p.PingReply(id=request.id, version=VERSION)
-            case p.Health():
-                return await self.health.reply(request.id, VERSION)
-            case p.Begin():
-                return await self._begin(conn, request)
-            case p.Done(root=root_path, step=step, rank=rank, files=files):
-                root = self.configured(root_path)
-                for entry in files:
-                    check_relative(entry.path)
-                key = SaveKey(root.path, step)
-                attempt = request.attempt
-                metrics = checked_metrics(request.metrics or {})  # refused before any change
-                effects = self.ledger.done(key, rank, files, conn, now(), attempt=attempt)
-                if metrics and (save := self.ledger.get(key)) is not None:
-                    self.retention.state.reported(key, save.attempt, metrics)
-                await self.commit(effects)
-                return p.Ack(id=request.id)
-            case p.Fail(root=root_path, step=step, rank=rank, reason=reason):
-                root = self.configured(root_path)
-                key = SaveKey(root.path, step)
-                attempt = request.attempt
-                await self.commit(self.ledger.fail(key, rank, reason, now(), attempt=attempt))
-                return p.Ack(id=request.id)
-            case p.Status(root=root_path):
-                only = None if root_path is None else self.configured(root_path).path
-                saves = [self._info(s) for s in self.ledger if only in (None, s.key.root)]
-                return p.StatusReply(
-                    id=request.id,
-                    version=VERSION,
-                    pid=os.getpid(),
-                    uptime_s=round(now() - self._started, 3),
-                    roots=[r.path for r in self.config.roots],
-                    saves=saves,
-                    waits=self.waits,
-                    waited_steps=len(self._waiters),
-                    layouts=[
-                        p.RootInfo(r.path, r.tmp_prefix, r.final_prefix, r.pointer)
-                        for r in self.config.roots
-                    ],
-                    stalled=self.lanes.stalled(only),
-                    node=self.config.node,
-                )
-            case p.Latest(root=root_path):
-                root = self.configured(root_path)
-                step_found = await self.lanes.run(
-                    root.path, self.storage.latest_promoted, root, abandon=True
-                )
-                if step_found is None:
-                    raise RequestError(p.ErrorCode.NOT_FOUND, f"{root.path} has no promoted step")
-                path = root.final_dir(step_found)
-                return p.LatestReply(id=request.id, path=path, step=step_found)
-            case p.Promote(root=root_path, step=step, timeout=timeout):
-                root = self.configured(root_path)
-                return await self._rescue(request.id, root, step, wait_s=timeout)
-            case p.Gc(root=root_path, remove=remove):
-                return await collect(self, request.id, self.configured(root_path), remove)
-            case p.Score() | p.Pin() | p.Unpin() | p.Hold() | p.Retention():
-                reply: msgspec.Struct = await self.retention.handle(request)
-                return reply
-        raise RequestError(p.ErrorCode.UNKNOWN_OP, f"unhandled op {type(request).__name__}")
-
-    async def _begin(self, conn: int, request: p.Begin) -> p.BeginReply:
-        """A rank joins (or starts) the step's attempt; reply once its directory is ready.
-
-        The ledger decides, without an ``await`` in between, whether this ``begin`` starts
-        a new attempt, joins the current one or is refused; the decision is journaled;
-        then ``tmp_step_N`` is made the attempt's own (once per attempt, every rank
-        waiting for it) before anyone is told to write.
-
-        Raises:
-            RequestError: the begin is refused.
-        """
-        root = self.configured(request.root)
-        if self.stopping:
-            raise RequestError(p.ErrorCode.SHUTTING_DOWN, "the daemon is stopping")
-        key = SaveKey(root.path, request.step)
-        known = self.ledger.get(key)
-        if (
-            known is not None
-            and known.state is p.SaveState.PROMOTED
-            and not request.resent
-            and request.attempt is None
-        ):
-            final = root.final_dir(request.step)
-            if not await self.lanes.run(root.path, self.storage.present, final, abandon=True):
-                # Promoted once, then deleted by hand: the step may be saved afresh.
-                self.ledger.forget(key)
-                await self.commit([])
-                self.events.emit(
-                    "checkpoint.gone", "warning", root=root.path, step=key.step, path=final
-                )
-                known = self.ledger.get(key)
-        fresh = new_attempt_id()
-        if known is None or self.ledger.starts_new_attempt(
-            key, conn, resent=request.resent, attempt=request.attempt
-        ):
-            await self._admit(root, key)
-            lws = request.local_world_size
-            if lws is not None and lws < request.world_size and request.rank != 0:
-                # Spanning nodes: every node's ranks join the attempt the leader marks.
-                fresh = await self.nodes.attempt_for(root, key, request.world_size) or fresh
-        effects = self.ledger.begin(
-            key,
-            request.rank,
-            request.world_size,
-            conn,
-            self.clock(),
-            resent=request.resent,
-            attempt=request.attempt,
-            fresh=fresh,
-            local_world_size=request.local_world_size,
-        )
-        save = self.ledger.get(key)
-        assert save is not None
-        await self.commit(effects)
-        self.nodes.begun(key)
-        if save.state is p.SaveState.OPEN:
-            if not save.spans or save.leader:
-                await self.attempt_dirs.ready(root, save)
-            else:  # the leader's marker is there: only the leader prepares the directory
-                self.nodes.announce(root, save)
-            self.nodes.watch(save)
-        if save.state is p.SaveState.FAILED:
-            raise RequestError(p.ErrorCode.STEP_FAILED, f"step {key.step} failed: {save.reason}")
-        return p.BeginReply(
-            id=request.id, path=root.tmp_dir(key.step), state=save.state, attempt=save.attempt
-        )
-
-    async def _admit(self, root: RootConfig, key: SaveKey) -> None:
-        """Checks before a new save (or a new attempt at a failed one) may begin.
-
-        Raises:
-            RequestError: too many saves in flight, gc is removing the step, or its
-                directories are unusable.
-        """
-        if self.ledger.unsettled >= self.config.max_open_saves:
-            raise RequestError(
-                p.ErrorCode.TOO_BUSY,
-                f"{self.ledger.unsettled} saves already in flight; retry later",
-            )
-        if key in self.collecting:
-            raise RequestError(
-                p.ErrorCode.INVALID_STATE, f"{root.tmp_dir(key.step)} is being removed by gc; retry"
-            )
-        if root.path in self._local:
-            self.storage.check_tmp_dir(root, key.step)  # two lstats on a local disk
-        else:
-            await self.lanes.run(
-                root.path, self.storage.check_tmp_dir, root, key.step, abandon=True
-            )
-        reloaded_root_check(self.config, self.retiring, root)  # after the last await
-
-    async def settled(self, request: p.Wait, root: RootConfig) -> p.WaitReply:
-        """The reply to ``wait``, once the step settles or ``request.timeout`` passes."""
-        key = SaveKey(root.path, request.step)
-        with anyio.move_on_after(request.timeout):
-            while (
-                (save := self.ledger.get(key)) is None
-                or save.state not in _SETTLED
-                or self.attempt_dirs.reporting(key)  # failed, but not yet set aside
-                or self.nodes.reporting(key)  # failed, but not yet written out
-            ):
-                if save is None and await self.lanes.run(
-                    root.path, self.storage.promoted, root, request.step, abandon=True
-                ):
-                    break
-                await self._wait_for(key)
-        save = self.ledger.get(key)
-        if save is None:
-            final = root.final_dir(key.step)
-            if await self.lanes.run(root.path, self.storage.promoted, root, key.step, abandon=True):
-                return p.WaitReply(id=request.id, state="promoted", path=final)
-            return p.WaitReply(id=request.id, state="pending")
-        attempt = save.attempt or None
-        if save.state is p.SaveState.PROMOTED:
-            return p.WaitReply(id=request.id, state="promoted", path=save.path, attempt=attempt)
-        if save.state is p.SaveState.FAILED and not (
-            self.attempt_dirs.reporting(key) or self.nodes.reporting(key)
-        ):
-            return p.WaitReply(id=request.id, state="failed", reason=save.reason, attempt=attempt)
-        return p.WaitReply(id=request.id, state="pending", attempt=attempt)
-
-    async def _wait_for(self, key: SaveKey) -> None:
-        """Return when ``key`` next settles.
-
-        The entry goes with its last waiter: waits on steps that never begin leave
-        nothing behind.
-        """
-        event = self._waiters.get(key)
-        if event is None:
-            event = self._waiters[key] = anyio.Event()
-        self._waiting[key] = self._waiting.get(key, 0) + 1
-        try:
-            await event.wait()
-        finally:
-            left = self._waiting[key] - 1
-            if left:
-                self._waiting[key] = left
-            else:
-                del self._waiting[key]
-                if self._waiters.get(key) is event:
-                    del self._waiters[key]
-
-    @property
-    def waits(self) -> int:
-        """``wait`` requests pending right now."""
-        return sum(self._waiting.values())
-
-    async def _rescue(
-        self, request_id: int, root: RootConfig, step: int, *, wait_s: float
-    ) -> p.WaitReply:
-        """``ckptd promote``: verify what can be verified, then promote, or refuse."""
-        key = SaveKey(root.path, step)
-        save = self.ledger.get(key)
-        if save is not None and save.state is p.SaveState.PROMOTED:
-            raise RequestError(p.ErrorCode.ALREADY_PROMOTED, f"step {step} is already promoted")
-        reported = {} if save is None else save.reported_files()
-        world_size = 0 if save is None else save.world_size
-        async with self.root_locks[root.path]:
-            # A failed attempt's set-aside files are judged, and promoted, where they lie
-            # in the trash: they never return to tmp_step_N, where a new attempt writes.
-            source = None
-            if save is not None and save.state is p.SaveState.FAILED and save.set_aside:
-                kept = self.storage.directory
-                if await self.lanes.run(root.path, kept, save.set_aside, abandon=True):
-                    source = save.set_aside
-            tmp = source or root.tmp_dir(step)
-            marker = await self.lanes.run(root.path, self.storage.read_attempt, tmp, abandon=True)
-            attempt = save.attempt if save is not None else ""
-            if save is None and marker is not None:
-                attempt = marker.attempt  # a step no journal knows: its directory says whose
-            # A step that spans nodes is promoted from its node markers, if they cover it.
-            nodes = await rescue_markers(self, root, step, attempt, save, tmp)
-            if nodes is not None:
-                world_size = nodes.world_size
-                reported = {**reported, **nodes.files()}
-            try:
-                manifest = await self.lanes.run(
-                    root.path,
-                    self.storage.scan_save,
-                    root,
-                    step,
-                    world_size,
-                    reported,
-                    attempt,
-                    source,
-                    abandon=True,
-                )
-            except VerificationError as exc:
-                raise RequestError(p.ErrorCode.UNVERIFIABLE, str(exc)) from None
-        if not manifest.dcp_dirs:
-            raise RequestError(
-                p.ErrorCode.UNVERIFIABLE,
-                f"{tmp} holds no DCP directory (*.distcp with .metadata): "
-                "nothing on disk proves the step complete",
-            )
-        spanning = 0 if nodes is None else nodes.world_size
-        effects = self.ledger.rescue(key, self.clock(), attempt=attempt, world_size=spanning)
-        if nodes is not None:
-            for m in nodes.markers:
-                files = m.ranks()
-                self.ledger.remote_done(key, m.node, attempt, len(files), files, self.clock())
-        await self.commit(effects)
-        wait = p.Wait(id=request_id, root=root.path, step=step, timeout=wait_s)
-        return await self.settled(wait, root)
-
-    # -- helpers -----------------------------------------------------------------------
-
     async def _run_for(self, root: RootConfig, fn: Callable[..., object], *args: object) -> object:
         """Run the blocking ``fn(*args)`` in ``root``'s lane (never left by its caller)."""
         return await self.lanes.run(root.path, fn, *args)
@@ -586,37 +296,6 @@ class Daemon:
                 + ", ".join(r.path for r in self.config.roots),
             )
         return root
-
-    def _info(self, save: SaveRecord) -> p.SaveInfo:
-        now = self.clock()
-        ranks = [
-            p.RankInfo(
-                rank=rank,
-                state=rec.state,
-                connected=rec.conn is not None,
-                files=len(rec.files),
-                bytes=sum(f.size for f in rec.files),
-                lease_s=None if rec.lease_deadline is None else round(rec.lease_deadline - now, 3),
-                reason=rec.reason,
-                node=rec.node,
-            )
-            for rank, rec in sorted(save.ranks.items())
-        ]
-        return p.SaveInfo(
-            root=save.key.root,
-            step=save.key.step,
-            world_size=save.world_size,
-            state=save.state,
-            age_s=round(now - save.first_begin, 3),
-            ranks=ranks,
-            path=save.path,
-            reason=save.reason,
-            attempt=save.attempt or None,
-            set_aside=save.set_aside,
-            local_world_size=save.local_world_size if save.spans else None,
-            role=("leader" if save.leader else "node") if save.spans else None,
-            marked=save.marked,
-        )
 
 
 def _retiring_root(retiring: dict[str, RootConfig], path: str) -> RootConfig | None:
