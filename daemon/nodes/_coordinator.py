@@ -19,8 +19,8 @@ Every blocking call runs in the root's lane, so a hung mount delays only its roo
 from __future__ import annotations
 
 import errno
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Coroutine
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Collection, Coroutine
+from contextlib import AbstractAsyncContextManager
 from functools import partial
 from typing import Any, Final
 
@@ -36,9 +36,9 @@ from ..host._holds import Holds
 from ..host._host import Coordinating
 from ..ledger._saves import Effect, MarkNode, NodeFailed, SaveKey, SaveRecord, Watch
 from ..store import _markers
-from ..store._markers import NodeMarker, Seen
+from ..store._markers import Seen, marker_for
 from ..store._storage import Storage
-from ._waker import Waker
+from ._waker import Waker, watching
 
 __all__ = ["RENAMED_TRUST", "Nodes"]
 
@@ -164,7 +164,7 @@ class Nodes:
         save = self._daemon.ledger.get(key)
         if save is None or save.attempt != attempt or save.marked:
             return
-        marker = self._marker(save, "writing")
+        marker = marker_for(save, self.node, "writing")
         async with self._lock(key):
             if save.marked or save.locally_done():
                 return
@@ -233,7 +233,7 @@ class Nodes:
                 reason = f"node {self.node}: " + "; ".join(problems[:8])
                 await self._fail_here(root, save, reason)
                 return
-            marker = self._marker(save, "done")
+            marker = marker_for(save, self.node, "done")
             try:
                 async with self._lock(key):
                     await self._run(root, self._storage.write_marker, root, key.step, marker)
@@ -376,7 +376,7 @@ class Nodes:
                 root = daemon.configured(key.root)
                 save = daemon.ledger.get(key)
                 if effect.announce and save is not None:
-                    marker = self._marker(save, "failed", reason=effect.reason)
+                    marker = marker_for(save, self.node, "failed", reason=effect.reason)
                     try:
                         async with self._lock(key):
                             await self._run(
@@ -403,22 +403,6 @@ class Nodes:
             self._marker_failed(key, attempt, exc)
 
     # -- helpers -------------------------------------------------------------------------
-
-    def _marker(self, save: SaveRecord, state: _markers.NodeState, reason: str = "") -> NodeMarker:
-        files = {}
-        if state == "done":
-            files = {str(r): list(save.ranks[r].files) for r in sorted(save.local_ranks())}
-        return NodeMarker(
-            node=self.node,
-            attempt=save.attempt,
-            step=save.key.step,
-            world_size=save.world_size,
-            local_world_size=save.local_world_size,
-            state=state,
-            files=files,
-            reason=reason,
-            written=_markers.now_iso(),
-        )
 
     def _marker_failed(self, key: SaveKey, attempt: str, exc: OSError) -> None:
         self._daemon.events.emit(
@@ -453,19 +437,8 @@ class Nodes:
         except RequestError:
             pass  # reported as journal.failed; retried on the next look or after a restart
 
-    @asynccontextmanager
-    async def _waker(
+    def _waker(
         self, root: RootConfig, path: str, key: SaveKey
-    ) -> AsyncIterator[Callable[[bool], Awaitable[None]]]:
+    ) -> AbstractAsyncContextManager[Callable[[bool], Awaitable[None]]]:
         """A :class:`Waker` for ``key``'s watcher, which a ``Watch`` effect can poke."""
-        mode = root.watch
-        if mode == "auto":
-            mode = "inotify" if root.path in self._local else "poll"
-        waker = Waker(path, root.poll_interval if mode == "poll" else None, self.group)
-        async with waker as wake:
-            self._wakers[key] = waker
-            try:
-                yield wake
-            finally:
-                if self._wakers.get(key) is waker:
-                    del self._wakers[key]
+        return watching(root, path, key, self._wakers, self._local, self.group)

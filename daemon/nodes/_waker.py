@@ -6,14 +6,18 @@ filesystem other nodes' changes are invisible to it, so those roots are polled.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from contextlib import asynccontextmanager
 from typing import Final
 
 import anyio
 import watchfiles
 from anyio.abc import TaskGroup
 
-__all__ = ["Waker"]
+from ..config._config import RootConfig
+from ..ledger._saves import SaveKey
+
+__all__ = ["Waker", "watching"]
 
 _SAFETY_POLL: Final = 1.0
 """Seconds between looks even when watchfiles reports nothing (a missed event)."""
@@ -75,3 +79,30 @@ class Waker:
         except (OSError, RuntimeError):
             self._interval = _SAFETY_POLL / 4  # cannot watch it: poll instead
             self._changed.set()
+
+
+@asynccontextmanager
+async def watching(
+    root: RootConfig,
+    path: str,
+    key: SaveKey,
+    wakers: dict[SaveKey, Waker],
+    local: Collection[str],
+    group: TaskGroup | None,
+) -> AsyncIterator[Callable[[bool], Awaitable[None]]]:
+    """A :class:`Waker` for ``key``'s watcher of ``path``, listed in ``wakers`` meanwhile.
+
+    The root's ``watch`` setting picks inotify or polling; ``auto`` watches roots in
+    ``local`` (on a local filesystem) and polls the others.
+    """
+    mode = root.watch
+    if mode == "auto":
+        mode = "inotify" if root.path in local else "poll"
+    waker = Waker(path, root.poll_interval if mode == "poll" else None, group)
+    async with waker as wake:
+        wakers[key] = waker
+        try:
+            yield wake
+        finally:
+            if wakers.get(key) is waker:
+                del wakers[key]

@@ -33,6 +33,7 @@ import msgspec
 from orchestrator.protocol import ATTEMPT_MARKER, FileEntry
 
 from ..config._config import RootConfig
+from ..ledger._saves import SaveRecord
 from ._durable import fsync_dir, write_atomic
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "Seen",
     "check_files",
     "is_marker_name",
+    "marker_for",
     "marker_name",
     "read_markers",
     "read_markers_in",
@@ -318,3 +320,21 @@ def _read(path: str, kind: type[_T]) -> _T | None:
         return msgspec.json.decode(b"".join(chunks), type=kind)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
+
+
+def marker_for(save: SaveRecord, node: str, state: NodeState, reason: str = "") -> NodeMarker:
+    """This node's marker for ``save`` in ``state`` (its local ranks' files once done)."""
+    files = {}
+    if state == "done":
+        files = {str(r): list(save.ranks[r].files) for r in sorted(save.local_ranks())}
+    return NodeMarker(
+        node=node,
+        attempt=save.attempt,
+        step=save.key.step,
+        world_size=save.world_size,
+        local_world_size=save.local_world_size,
+        state=state,
+        files=files,
+        reason=reason,
+        written=now_iso(),
+    )
