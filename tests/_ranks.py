@@ -12,6 +12,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from tests._zygote import zygote
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -43,6 +45,11 @@ def start_rank(
         "OMP_NUM_THREADS": "1",
         **(extra_env or {}),
     }
+    # Forked from a process that imported torch (and nemo_automodel, for its workers)
+    # once, rather than importing them afresh: most of a rank's CPU (tests/_zygote.py).
+    forked = zygote("automodel" if "automodel" in cmd[0] else "torch")
+    if forked is not None:
+        return forked.spawn(cmd, env, REPO)
     return subprocess.Popen(
         [sys.executable, *cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=REPO
     )

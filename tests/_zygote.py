@@ -1,0 +1,339 @@
+"""Rank processes forked from a server that imported torch once, instead of each importing it.
+
+A rank of the suite's gloo jobs spends most of its CPU importing ``torch`` (about 2.5 s)
+and, for the automodel jobs, ``nemo_automodel`` (about 6 s). A :class:`Zygote` is a
+process that imports them once and then forks one child per rank on request. Each child
+is a real, separate process: its own pid, environment, working directory and stdout
+pipe, running the rank's script as ``__main__``; the test signals it and reads its exit
+status as it would a ``subprocess.Popen``'s (:class:`ForkedProcess` is one).
+
+The server is single-threaded (a selector over its socket and one pidfd per child), so
+nothing else runs when it forks. It refuses to fork once the preload started a thread,
+and ``CKPTD_TEST_FORK=0`` turns it off: ranks are then started with ``exec`` as before.
+"""
+
+from __future__ import annotations
+
+import array
+import atexit
+import io
+import json
+import os
+import runpy
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+PRELOADS: Mapping[str, tuple[str, ...]] = {
+    "torch": ("torch", "torch.distributed", "torch.distributed.checkpoint"),
+    "automodel": (
+        "torch",
+        "torch.distributed",
+        "torch.distributed.checkpoint",
+        "nemo_automodel.components.checkpoint.checkpointing",
+    ),
+}
+"""What each kind of zygote imports before it forks."""
+
+
+def enabled() -> bool:
+    """Whether ranks are forked from a zygote (``CKPTD_TEST_FORK=0``: never)."""
+    return os.environ.get("CKPTD_TEST_FORK", "1") != "0" and hasattr(os, "pidfd_open")
+
+
+# -- the test's side -----------------------------------------------------------------------
+
+
+class ForkedProcess(subprocess.Popen[bytes]):
+    """A child of a :class:`Zygote`, used as the ``subprocess.Popen`` it stands for.
+
+    Its exit status comes over its own connection to the zygote (the zygote, not this
+    process, is its parent and reaps it); signals go to its pid as to any process.
+    """
+
+    def __init__(self, args: Sequence[str], conn: socket.socket, stdout: io.BufferedReader):
+        # Popen.__init__ would start a process: set the attributes its methods use.
+        self.args = list(args)
+        self.stdin = None
+        self.stdout = stdout
+        self.stderr = None
+        self.returncode: int | Any = None
+        self.text_mode = False
+        self.encoding = None
+        self.errors = None
+        self.universal_newlines = False
+        self.pipesize = -1
+        self._waitpid_lock = threading.Lock()
+        self._input = None
+        self._communication_started = False
+        self._sigint_wait_secs = 0.25
+        self._closed_child_pipe_fds = True
+        self._child_created = True
+        self._conn = conn
+        self._buffer = b""
+        reply = self._read_line(None)
+        if reply is None or "pid" not in reply:
+            raise OSError(f"the zygote did not start {args!r}: {reply}")
+        self.pid = int(reply["pid"])
+
+    def __del__(self) -> None:
+        # Popen's own __del__ would poll a child that is not this process's to reap.
+        conn = getattr(self, "_conn", None)
+        if conn is not None:
+            conn.close()
+
+    def _read_line(self, timeout: float | None) -> dict[str, Any] | None:
+        """The zygote's next message; None if none came within ``timeout``."""
+        self._conn.settimeout(timeout)
+        while b"\n" not in self._buffer:
+            try:
+                chunk = self._conn.recv(4096)
+            except (TimeoutError, BlockingIOError):
+                return None
+            if not chunk:
+                return {"status": -signal.SIGKILL, "lost": True}  # the zygote went away
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        message: dict[str, Any] = json.loads(line)
+        return message
+
+    def _status(self, timeout: float | None) -> int | None:
+        if self.returncode is None:
+            reply = self._read_line(timeout)
+            if reply is not None:
+                self.returncode = int(reply["status"])
+                self._conn.close()
+        return self.returncode
+
+    def _internal_poll(self, _deadstate: object = None, *args: Any, **kwargs: Any) -> int | None:
+        with self._waitpid_lock:
+            return self._status(0.0)
+
+    def _wait(self, timeout: float | None) -> int:
+        with self._waitpid_lock:
+            code = self._status(timeout)
+        if code is None:
+            assert timeout is not None
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return code
+
+
+class Zygote:
+    """A server process that imported ``PRELOADS[kind]`` and forks ranks on request."""
+
+    def __init__(self, kind: str) -> None:
+        self._dir = tempfile.mkdtemp(prefix="ck-zyg-", dir="/tmp")
+        self.socket_path = os.path.join(self._dir, "z.sock")
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, "-m", "tests._zygote", self.socket_path, kind]
+        self._proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=REPO
+        )
+        assert self._proc.stdout is not None
+        ready = self._proc.stdout.readline()
+        self.usable = ready.strip() == b"ready"
+        """False when the preload started threads: forking would be unsafe then."""
+        atexit.register(self.close)
+
+    def spawn(
+        self, argv: Sequence[str], env: Mapping[str, str], cwd: str | os.PathLike[str]
+    ) -> ForkedProcess:
+        """Fork ``python argv...`` with ``env`` in ``cwd``; stdout and stderr piped."""
+        read, write = os.pipe()
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(self.socket_path)
+            request = json.dumps({"argv": list(argv), "env": dict(env), "cwd": str(cwd)})
+            fds = array.array("i", [write])
+            conn.sendmsg([request.encode() + b"\n"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+        except BaseException:
+            conn.close()
+            os.close(read)
+            raise
+        finally:
+            os.close(write)
+        return ForkedProcess(argv, conn, os.fdopen(read, "rb"))
+
+    def close(self) -> None:
+        """Stop the server (its children run on until they end)."""
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        for stream in (self._proc.stdin, self._proc.stdout):
+            if stream is not None:
+                stream.close()
+        try:
+            os.unlink(self.socket_path)
+            os.rmdir(self._dir)
+        except OSError:
+            pass
+
+
+_zygotes: dict[str, Zygote] = {}
+_lock = threading.Lock()
+
+
+def zygote(kind: str) -> Zygote | None:
+    """This process's zygote of ``kind``, started on first use; None where unusable."""
+    if not enabled():
+        return None
+    with _lock:
+        if kind not in _zygotes:
+            _zygotes[kind] = Zygote(kind)
+        found = _zygotes[kind]
+    return found if found.usable else None
+
+
+# -- the zygote's side ---------------------------------------------------------------------
+
+
+def _serve(path: str, kind: str) -> None:
+    for name in PRELOADS[kind]:
+        __import__(name)
+    if threading.active_count() != 1 or len(os.listdir("/proc/self/task")) != 1:
+        sys.stdout.write("threads\n")  # forking now could copy a held lock: refuse
+        sys.stdout.flush()
+        sys.stdin.read()
+        return
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ, "accept")
+    selector.register(sys.stdin, selectors.EVENT_READ, "parent")
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    while True:
+        for key, _ in selector.select():
+            if key.data == "parent":
+                return  # the test process ended (its end of our stdin closed)
+            if key.data == "accept":
+                conn, _ = listener.accept()
+                _fork(conn, listener, selector)
+            else:
+                child: _Child = key.data
+                selector.unregister(key.fileobj)
+                os.close(child.pidfd)
+                _, status = os.waitpid(child.pid, 0)
+                code = os.waitstatus_to_exitcode(status)
+                try:
+                    child.sock.sendall(json.dumps({"status": code}).encode() + b"\n")
+                except OSError:
+                    pass  # the test process closed its end
+                child.sock.close()
+
+
+class _Child:
+    """A forked rank: its pid, the pidfd that says when it ended, who waits for it."""
+
+    def __init__(self, sock: socket.socket, pid: int) -> None:
+        self.sock = sock
+        self.pid = pid
+        self.pidfd = os.pidfd_open(pid)
+
+
+def _fork(conn: socket.socket, listener: socket.socket, selector: selectors.BaseSelector) -> None:
+    data, fds, _, _ = socket.recv_fds(conn, 1024 * 1024, 1)
+    request = json.loads(data)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        selector.close()
+        listener.close()
+        conn.close()
+        _child(request, fds[0])
+    os.close(fds[0])
+    conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    child = _Child(conn, pid)
+    selector.register(child.pidfd, selectors.EVENT_READ, child)
+
+
+def _child(request: dict[str, Any], out: int) -> None:
+    """Become the rank: its stdio, environment and directory, then run its ``argv``."""
+    code = 1
+    try:
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.close(null)
+        os.close(out)
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        argv = list(request["argv"])
+        unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+        while argv and argv[0] in ("-u", "-B"):
+            unbuffered = unbuffered or argv.pop(0) == "-u"
+        sys.stdin = open(0, encoding="utf-8", closefd=False)
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            stream = io.TextIOWrapper(
+                open(fd, "wb", buffering=0 if unbuffered else -1, closefd=False),
+                encoding="utf-8",
+                errors="backslashreplace" if name == "stderr" else "strict",
+                line_buffering=name == "stderr",
+                write_through=unbuffered,
+            )
+            setattr(sys, name, stream)
+        code = _run(argv)
+    except SystemExit as exc:
+        code = _exit_code(exc)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  # non-daemon threads, as at exit
+        atexit._run_exitfuncs()
+    except SystemExit as exc:
+        code = _exit_code(exc)
+    except BaseException:
+        traceback.print_exc()
+    for out_stream in (sys.stdout, sys.stderr):
+        try:
+            out_stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _run(argv: list[str]) -> int:
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    elif argv[0] == "-c":
+        sys.argv = ["-c", *argv[2:]]
+        sys.path[0] = ""
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+    else:
+        sys.argv = list(argv)
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+        runpy.run_path(argv[0], run_name="__main__")
+    return 0
+
+
+def _exit_code(exc: SystemExit) -> int:
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    sys.stderr.write(f"{exc.code}\n")
+    return 1
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1], sys.argv[2])
