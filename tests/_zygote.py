@@ -108,12 +108,37 @@ class ForkedProcess(subprocess.Popen[bytes]):
         return message
 
     def _status(self, timeout: float | None) -> int | None:
-        if self.returncode is None:
+        while self.returncode is None:
             reply = self._read_line(timeout)
-            if reply is not None:
+            if reply is None:
+                break
+            if "status" in reply:
                 self.returncode = int(reply["status"])
                 self._conn.close()
         return self.returncode
+
+    def wait_stopped(self, timeout: float) -> bool:
+        """Wait until the child has stopped (``SIGSTOP`` taken by every thread).
+
+        What ``waitid(WSTOPPED)`` tells a parent; the zygote, the parent, asks for it.
+
+        Returns:
+            True once it is stopped; False if it exited first or ``timeout`` passed.
+        """
+        with self._waitpid_lock:
+            if self.returncode is not None:
+                return False
+            self._conn.sendall(b'{"op": "stopped"}\n')
+            while True:
+                reply = self._read_line(timeout)
+                if reply is None:
+                    return False
+                if "status" in reply:
+                    self.returncode = int(reply["status"])
+                    self._conn.close()
+                    return False
+                if reply.get("stopped"):
+                    return True
 
     def _internal_poll(self, _deadstate: object = None, *args: Any, **kwargs: Any) -> int | None:
         with self._waitpid_lock:
@@ -211,6 +236,13 @@ def _serve(path: str, kind: str) -> None:
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ, "accept")
     selector.register(sys.stdin, selectors.EVENT_READ, "parent")
+    # A child's stop is seen by its parent only through waitid: SIGCHLD wakes the loop.
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    selector.register(wake_r, selectors.EVENT_READ, "sigchld")
+    children: dict[int, _Child] = {}
     sys.stdout.write("ready\n")
     sys.stdout.flush()
     while True:
@@ -219,18 +251,23 @@ def _serve(path: str, kind: str) -> None:
                 return  # the test process ended (its end of our stdin closed)
             if key.data == "accept":
                 conn, _ = listener.accept()
-                _fork(conn, listener, selector)
+                child = _fork(conn, listener, selector)
+                children[child.pid] = child
+            elif key.data == "sigchld":
+                os.read(wake_r, 4096)
+            elif isinstance(key.data, tuple):  # a request on a child's connection
+                child = key.data[1]
+                if not child.read_request():
+                    selector.unregister(child.sock)
             else:
-                child: _Child = key.data
+                child = key.data
                 selector.unregister(key.fileobj)
-                os.close(child.pidfd)
-                _, status = os.waitpid(child.pid, 0)
-                code = os.waitstatus_to_exitcode(status)
-                try:
-                    child.sock.sendall(json.dumps({"status": code}).encode() + b"\n")
-                except OSError:
-                    pass  # the test process closed its end
-                child.sock.close()
+                if child.asking:
+                    selector.unregister(child.sock)
+                del children[child.pid]
+                child.reap()
+        for child in children.values():
+            child.answer_stop()
 
 
 class _Child:
@@ -240,9 +277,49 @@ class _Child:
         self.sock = sock
         self.pid = pid
         self.pidfd = os.pidfd_open(pid)
+        self.asking = True  # its connection is in the selector
+        self.wants_stop = False
+
+    def read_request(self) -> bool:
+        """Take a request from the test (``stopped``); False once it closed its end."""
+        try:
+            data = self.sock.recv(4096)
+        except OSError:
+            data = b""
+        if not data:
+            self.asking = False
+            return False
+        self.wants_stop = self.wants_stop or b"stopped" in data
+        return True
+
+    def answer_stop(self) -> None:
+        """Tell a test waiting for this child's stop, once it has stopped."""
+        if not self.wants_stop:
+            return
+        flags = os.WSTOPPED | os.WEXITED | os.WNOHANG | os.WNOWAIT
+        try:
+            seen = os.waitid(os.P_PID, self.pid, flags)
+        except ChildProcessError:
+            return
+        if seen is not None and seen.si_code == os.CLD_STOPPED:
+            self.wants_stop = False
+            self._send({"stopped": True})
+
+    def reap(self) -> None:
+        """Reap the ended child and send its exit status."""
+        os.close(self.pidfd)
+        _, status = os.waitpid(self.pid, 0)
+        self._send({"status": os.waitstatus_to_exitcode(status)})
+        self.sock.close()
+
+    def _send(self, message: dict[str, Any]) -> None:
+        try:
+            self.sock.sendall(json.dumps(message).encode() + b"\n")
+        except OSError:
+            pass  # the test process closed its end
 
 
-def _fork(conn: socket.socket, listener: socket.socket, selector: selectors.BaseSelector) -> None:
+def _fork(conn: socket.socket, listener: socket.socket, selector: selectors.BaseSelector) -> _Child:
     data, fds, _, _ = socket.recv_fds(conn, 1024 * 1024, 1)
     request = json.loads(data)
     sys.stdout.flush()
@@ -257,6 +334,8 @@ def _fork(conn: socket.socket, listener: socket.socket, selector: selectors.Base
     conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
     child = _Child(conn, pid)
     selector.register(child.pidfd, selectors.EVENT_READ, child)
+    selector.register(conn, selectors.EVENT_READ, ("conn", child))
+    return child
 
 
 def _child(request: dict[str, Any], out: int) -> None:
@@ -267,11 +346,12 @@ def _child(request: dict[str, Any], out: int) -> None:
         os.dup2(null, 0)
         os.dup2(out, 1)
         os.dup2(out, 2)
-        os.close(null)
-        os.close(out)
-        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # the zygote's sockets, other ranks'
+        # As a fresh interpreter has them (SIGPIPE stays ignored, as Python sets it).
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.set_wakeup_fd(-1)
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])

@@ -30,6 +30,20 @@ for _name in ENV_VARS:
     os.environ.pop(_name, None)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Keep each module whose tests share a module-scoped fixture on one xdist worker.
+
+    Such a fixture (a 2-rank job whose checkpoint every test of the module reads) is set
+    up once per worker that runs any of the module's tests: split across workers, its
+    cost is paid twice. ``--dist loadgroup`` sends every test of a group to one worker.
+    """
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = [] if info is None else [d for ds in info.name2fixturedefs.values() for d in ds]
+        if any(d.scope in ("module", "class") for d in defs):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
 @pytest.fixture
 def short_dir() -> Iterator[Path]:
     """A short directory under /tmp: AF_UNIX paths must fit in 107 bytes."""

@@ -29,6 +29,7 @@ from typing import Any
 from daemon import verify_checkpoint
 from daemon.store._verify import MANIFEST_NAME
 from tests._ranks import free_port, pump_lines, start_rank
+from tests._zygote import ForkedProcess
 from tests.conftest import REPO, DaemonProcess, LineClient
 
 __all__ = [
@@ -259,6 +260,10 @@ class Ranks:
         """
         proc = self.procs[rank]
         proc.send_signal(signal.SIGSTOP)
+        if isinstance(proc, ForkedProcess):  # its parent, the zygote, watches for the stop
+            if not proc.wait_stopped(timeout):
+                raise AssertionError(f"rank {rank} ended or did not stop within {timeout}s")
+            return
         seen: list[os.waitid_result | None] = []
         flags = os.WSTOPPED | os.WEXITED | os.WNOWAIT
         waiter = threading.Thread(
