@@ -30,6 +30,7 @@ for _name in ENV_VARS:
     os.environ.pop(_name, None)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Keep each module whose tests share a module-scoped fixture on one xdist worker.
 
