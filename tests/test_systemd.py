@@ -36,7 +36,7 @@ TIMEOUT = 10.0
 # it got a listening socket, echoes one connection on the first one.
 CHILD = r"""
 import fcntl, json, os, sys
-from daemon import _systemd
+from daemon.server import _systemd
 passed = [int(fd) for fd in sys.argv[2:]]
 high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 100) for fd in passed]
 for fd in passed:
