@@ -255,6 +255,7 @@ class Channel:
                 resent=True,
                 attempt=record.attempt,
                 local_world_size=record.local_world_size,
+                run=record.run,
             )
             again = Outgoing(msg, None, record, p.encode(msg))
             self._unacked[msg.id] = again

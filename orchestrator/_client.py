@@ -43,9 +43,16 @@ class CheckpointClient(OpsClient):
         max_reply: Longest reply line accepted, in bytes (default
             :data:`~orchestrator.protocol.MAX_REPLY`). A longer reply fails only the call
             it answers, with :class:`DaemonError` ``reply_too_long``.
+        run: The run of the job this process belongs to, the same on every rank of
+            the run and another on a restarted or requeued run. Default: from
+            torchelastic's or Slurm's environment (``orchestrator._run``), else unnamed.
 
     The environment that says how many ranks are on this node (``LOCAL_WORLD_SIZE``,
-    ``SLURM_NTASKS_PER_NODE``; see :meth:`begin_nowait`) is read here, once.
+    ``SLURM_NTASKS_PER_NODE``; see :meth:`begin_nowait`) and which run this is are
+    read here, once.
+
+    Raises:
+        ValueError: ``run`` is not 1 to 128 letters, digits, ``.``, ``_``, ``:`` or ``-``.
     """
 
     def __init__(
@@ -55,6 +62,7 @@ class CheckpointClient(OpsClient):
         begin_timeout: float = 2.0,
         reconnect_max: float = 2.0,
         max_reply: int = p.MAX_REPLY,
+        run: str | None = None,
     ) -> None:
         self._lock = threading.Lock()  # guards _handles (touched from callers' threads)
         self._handles: set[SaveHandle] = set()
@@ -64,6 +72,7 @@ class CheckpointClient(OpsClient):
             begin_timeout=begin_timeout,
             reconnect_max=reconnect_max,
             max_reply=max_reply,
+            run=run,
         )
 
     # -- saves: handles over the uploads' futures --------------------------------------

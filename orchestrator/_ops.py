@@ -12,6 +12,7 @@ handles on top of these.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -23,8 +24,11 @@ from ._channel import Channel
 from ._errors import DaemonError
 from ._layout import Layouts, make_step_dir
 from ._pending import Begun, PendingBegin
+from ._run import run_identity
 from ._wire import SaveRecord
 from .protocol import default_socket_path
+
+log = logging.getLogger("orchestrator")
 
 __all__ = ["OpsClient"]
 
@@ -39,6 +43,7 @@ class OpsClient:
         begin_timeout: Longest wait for a ``begin`` acknowledgement, in seconds.
         reconnect_max: Longest pause between reconnection attempts, in seconds.
         max_reply: Longest reply line accepted, in bytes.
+        run: The run of the job (see :class:`CheckpointClient`).
     """
 
     def __init__(
@@ -48,7 +53,11 @@ class OpsClient:
         begin_timeout: float = 2.0,
         reconnect_max: float = 2.0,
         max_reply: int = p.MAX_REPLY,
+        run: str | None = None,
     ) -> None:
+        self.run = run_identity(run)
+        """The run every ``begin`` names (``orchestrator._run``); None: unnamed."""
+        self._unnamed_warned = False
         self.socket_path = socket_path or default_socket_path()
         self.begin_timeout = begin_timeout
         self._layouts = Layouts()
@@ -127,7 +136,9 @@ class OpsClient:
                 (the message names the variable). Nothing is sent.
         """
         local = self.resolve_local_world_size(world_size, local_world_size)
-        record = SaveRecord(root, step, rank, world_size, local)
+        if self.run is None and local is not None and local < world_size:
+            self._warn_unnamed()
+        record = SaveRecord(root, step, rank, world_size, local, run=self.run)
         future: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
         begin = p.Begin(
             id=0,
@@ -136,11 +147,21 @@ class OpsClient:
             rank=rank,
             world_size=world_size,
             local_world_size=local,
+            run=self.run,
         )
         self._channel.post(begin, future, record)
         known = self._layouts.known(root, step)
         fallback = self._layouts.default(root, step)
         return PendingBegin(self._channel, record, future, known, fallback, self.begin_timeout)
+
+    def _warn_unnamed(self) -> None:
+        if not self._unnamed_warned:
+            self._unnamed_warned = True
+            log.warning(
+                "ckptd: this job's run is unnamed (no run=, TORCHELASTIC_RUN_ID or "
+                "SLURM_JOB_ID): a step spanning nodes that a requeued run saves again on "
+                "daemons that lost their state may be joined to this run's attempt"
+            )
 
     def resolve_local_world_size(
         self, world_size: int, local_world_size: int | None = None

@@ -42,6 +42,7 @@ class SaveRecord:
         attempt: The attempt the daemon put in its acknowledgement (None before, and
             from a daemon that predates attempts).
         held: The save's ``done``/``fail``, waiting for the ``begin`` to be answered.
+        run: The run the ``begin`` named; every re-sent ``begin`` names it too.
     """
 
     root: str
@@ -50,6 +51,7 @@ class SaveRecord:
     world_size: int
     local_world_size: int | None = None
     answer: Answer = "pending"
+    run: str | None = None
     attempt: str | None = None
     held: list[Outgoing] = field(default_factory=list)
 

@@ -21,13 +21,14 @@ from typing import Any
 import pytest
 
 from orchestrator._nodes import ENV_VARS
+from orchestrator._run import RUN_VARS
 
 REPO = Path(__file__).resolve().parent.parent
 
 # The suite's jobs run all their ranks on this machine: a launcher's count of ranks per
-# node (the suite itself run under torchrun or in a Slurm job) must not reach the
-# clients under test or the rank processes they start.
-for _name in ENV_VARS:
+# node, or its run (the suite itself run under torchrun or in a Slurm job), must not
+# reach the clients under test or the rank processes they start.
+for _name in (*ENV_VARS, *RUN_VARS):
     os.environ.pop(_name, None)
 
 

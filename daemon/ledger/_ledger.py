@@ -126,6 +126,7 @@ class Ledger(Deadlines, SpanningLedger, Outcomes):
         attempt: str | None = None,
         fresh: str = "",
         local_world_size: int | None = None,
+        run: str | None = None,
     ) -> list[Effect]:
         """A rank announces it is about to write the step.
 
@@ -146,10 +147,15 @@ class Ledger(Deadlines, SpanningLedger, Outcomes):
             attempt: The attempt the client says it belongs to, if it knows.
             fresh: The id a new attempt gets, if this begin starts one.
             local_world_size: The job's ranks on this rank's node (None: all of them).
+            run: The run of the job the rank belongs to (None: unnamed). A begin of
+                another run than the step's never joins its attempt: after a failure
+                it starts the step over, while the other run's attempt is open it is
+                refused (``run_conflict``).
 
         Raises:
             RequestError: rank out of range, world size mismatch, a stale attempt, the
-                step closed to writers, promoted or failed, a node contradiction.
+                step closed to writers, promoted or failed, a node contradiction, or
+                another run's attempt of the step still open.
         """
         if rank >= world_size:
             raise RequestError(
@@ -163,7 +169,9 @@ class Ledger(Deadlines, SpanningLedger, Outcomes):
                 f"attempt {attempt} of step {key.step} is not its current attempt "
                 f"{save.attempt or '(unnamed)'}; nothing was changed",
             )
-        if save is not None and self.starts_new_attempt(key, conn, resent=resent, attempt=attempt):
+        if save is not None and self.starts_new_attempt(
+            key, conn, resent=resent, attempt=attempt, run=run
+        ):
             effects.append(
                 Emit(
                     "save.retried",
@@ -181,7 +189,12 @@ class Ledger(Deadlines, SpanningLedger, Outcomes):
         if save is None:
             deadline = None if self._save_timeout is None else now + self._save_timeout
             save = SaveRecord(
-                key=key, world_size=world_size, first_begin=now, deadline=deadline, attempt=fresh
+                key=key,
+                world_size=world_size,
+                first_begin=now,
+                deadline=deadline,
+                attempt=fresh,
+                run=run or "",
             )
             self._saves[key] = save
             self._unsettled += 1
@@ -211,6 +224,13 @@ class Ledger(Deadlines, SpanningLedger, Outcomes):
                 ErrorCode.STEP_CLOSED,
                 f"step {key.step} is {save.state}: no writer may join it any more",
             )
+        if run and save.run and run != save.run:
+            raise RequestError(
+                ErrorCode.RUN_CONFLICT,
+                f"step {key.step} is being saved by run {save.run} (attempt {save.attempt}); "
+                f"run {run} cannot join it. It starts the step over once that attempt "
+                "fails (its ranks' leases expire) or is gc'ed",
+            )
         self._check_local(save, rank, local_world_size)
         if record is not None:
             return self._reattach(save, rank, record, conn)
@@ -219,12 +239,18 @@ class Ledger(Deadlines, SpanningLedger, Outcomes):
         if conn is not None:
             save.conns.add(conn)
         lws = save.local_world_size
-        self._record(JBegin(key.root, key.step, rank, world_size, now, save.attempt, lws))
+        self._record(JBegin(key.root, key.step, rank, world_size, now, save.attempt, lws, save.run))
         fields = {**_ids(key, rank), "world_size": world_size, "attempt": save.attempt}
         return [*effects, Emit("save.begun", fields)]
 
     def starts_new_attempt(
-        self, key: SaveKey, conn: int | None, *, resent: bool = False, attempt: str | None = None
+        self,
+        key: SaveKey,
+        conn: int | None,
+        *,
+        resent: bool = False,
+        attempt: str | None = None,
+        run: str | None = None,
     ) -> bool:
         """Whether a ``begin`` for ``key`` from ``conn`` would start the step over.
 
@@ -233,12 +259,15 @@ class Ledger(Deadlines, SpanningLedger, Outcomes):
         and not naming an attempt. That is a job that crashed while saving step N,
         resumed from an earlier checkpoint and saves step N again; the failed attempt's
         directory was set aside when it failed. A late ``begin`` from the failed attempt
-        itself is refused instead.
+        itself is refused instead. A ``begin`` of another run (``run``, when both name
+        one) always starts a failed step over.
         """
         save = self._saves.get(key)
         if save is None or save.state is not SaveState.FAILED:
             return False
         if self._replaying:  # only a new attempt was ever journaled after a failure
+            return True
+        if run and save.run and run != save.run:
             return True
         return not resent and attempt is None and conn not in save.conns
 

@@ -69,6 +69,8 @@ class JBegin(_Record, frozen=True, tag="b"):
     attempt: str = ""
     local_world_size: int = 0
     """The job's ranks on this node; 0: all of them (also what older records read as)."""
+    run: str = ""
+    """The run of the job the begin named; "": unnamed (also what older records read as)."""
 
 
 class JDone(_Record, frozen=True, tag="d"):

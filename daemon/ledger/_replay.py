@@ -40,7 +40,7 @@ class Replayable(Protocol):
 
     def begin(
         self, key: SaveKey, rank: int, world_size: int, conn: int | None, now: float, *,
-        fresh: str = "", local_world_size: int | None = None,
+        fresh: str = "", local_world_size: int | None = None, run: str | None = None,
     ) -> Any: ...  # fmt: skip
 
     def set_aside(self, key: SaveKey, attempt: str, path: str, now: float) -> None: ...
@@ -85,7 +85,16 @@ def replay(ledger: Replayable, record: JournalRecord, now: float) -> None:
     match record:
         case JBegin(rank=rank, world_size=world_size, attempt=attempt):
             lws = record.local_world_size or None
-            ledger.begin(key, rank, world_size, None, now, fresh=attempt, local_world_size=lws)
+            ledger.begin(
+                key,
+                rank,
+                world_size,
+                None,
+                now,
+                fresh=attempt,
+                local_world_size=lws,
+                run=record.run,
+            )
         case JSetAside(attempt=attempt, path=path):
             ledger.set_aside(key, attempt, path, now)
         case JDone(rank=rank, files=files):
@@ -123,7 +132,7 @@ def snapshot(saves: Iterable[SaveRecord]) -> list[JournalRecord]:
         lws = save.local_world_size
         # Every begin, then every done, then the failure: the order they can happen in.
         out += [
-            JBegin(root, step, r, save.world_size, rec.begun_at, save.attempt, lws)
+            JBegin(root, step, r, save.world_size, rec.begun_at, save.attempt, lws, save.run)
             for r, rec in ranks
         ]
         out += [

@@ -137,6 +137,8 @@ class SaveRecord:
     deadline: float | None
     attempt: str = ""
     """The attempt's id ("" for a save journaled before attempts had ids)."""
+    run: str = ""
+    """The run of the job the attempt belongs to (its first ``begin``'s); "": unnamed."""
     state: SaveState = SaveState.OPEN
     ranks: dict[int, RankRecord] = field(default_factory=dict)
     reason: str | None = None

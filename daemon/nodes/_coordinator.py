@@ -104,12 +104,16 @@ class Nodes:
         if event is not None:
             event.set()
 
-    async def attempt_for(self, root: RootConfig, key: SaveKey, world_size: int) -> str | None:
+    async def attempt_for(
+        self, root: RootConfig, key: SaveKey, world_size: int, run: str | None = None
+    ) -> str | None:
         """The attempt a spanning save's first ``begin`` on this node joins.
 
         Waits until the leader's attempt marker is in ``tmp_step_N`` (its attempt is
         returned) or a ``begin`` on this node created the save meanwhile (None). A marker
-        of an attempt known to have ended is no one's to join.
+        of an attempt known to have ended is no one's to join, and neither is one of
+        another run than ``run`` (when the begin names one): that directory is a stale
+        run's, which the leader sets aside before it marks its own.
 
         Raises:
             RequestError: (``unavailable``) no attempt marker within ``node_timeout``.
@@ -122,7 +126,11 @@ class Nodes:
             if save is not None and save.state is p.SaveState.OPEN:
                 return None
             marker = await self._run(root, self._storage.read_attempt, tmp)
-            if isinstance(marker, p.AttemptMarker) and marker.world_size == world_size:
+            if (
+                isinstance(marker, p.AttemptMarker)
+                and marker.world_size == world_size
+                and (not run or marker.run == run)
+            ):
                 ended = save is not None and save.attempt == marker.attempt
                 if not ended:
                     verdict = await self._run(
@@ -132,11 +140,14 @@ class Nodes:
                         return marker.attempt
             left = deadline - daemon.clock()
             if left <= 0:
+                stale = ""
+                if isinstance(marker, p.AttemptMarker) and run and marker.run != run:
+                    stale = f" (the marker there is run {marker.run or '(unnamed)'}'s, not {run}'s)"
                 raise RequestError(
                     p.ErrorCode.UNAVAILABLE,
                     f"step {key.step} spans nodes, and the leader (the daemon serving rank 0) "
-                    f"wrote no attempt marker into {tmp} within node_timeout "
-                    f"{daemon.config.node_timeout:g}s; retry",
+                    f"wrote no attempt marker of this run into {tmp} within node_timeout "
+                    f"{daemon.config.node_timeout:g}s{stale}; retry",
                 )
             event = self._begun.setdefault(key, anyio.Event())
             with anyio.move_on_after(min(root.poll_interval, left)):

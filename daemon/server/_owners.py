@@ -95,7 +95,13 @@ class AttemptDirs:
             with anyio.CancelScope(shield=True):
                 async with daemon.root_locks[root.path]:
                     done = await self._run(
-                        root, daemon.storage.prepare, root, key.step, save.attempt, save.world_size
+                        root,
+                        daemon.storage.prepare,
+                        root,
+                        key.step,
+                        save.attempt,
+                        save.world_size,
+                        save.run,
                     )
         except OSError as exc:
             reason = f"could not prepare {root.tmp_dir(key.step)}: {exc.strerror or exc}"

@@ -179,13 +179,14 @@ class Requests:
                 known = self.ledger.get(key)
         fresh = new_attempt_id()
         if known is None or self.ledger.starts_new_attempt(
-            key, conn, resent=request.resent, attempt=request.attempt
+            key, conn, resent=request.resent, attempt=request.attempt, run=request.run
         ):
             await self._admit(root, key)
             lws = request.local_world_size
             if lws is not None and lws < request.world_size and request.rank != 0:
                 # Spanning nodes: every node's ranks join the attempt the leader marks.
-                fresh = await self.nodes.attempt_for(root, key, request.world_size) or fresh
+                joined = await self.nodes.attempt_for(root, key, request.world_size, request.run)
+                fresh = joined or fresh
         effects = self.ledger.begin(
             key,
             request.rank,
@@ -196,6 +197,7 @@ class Requests:
             attempt=request.attempt,
             fresh=fresh,
             local_world_size=request.local_world_size,
+            run=request.run,
         )
         save = self.ledger.get(key)
         assert save is not None

@@ -84,12 +84,13 @@ def read_marker(tmp: str) -> AttemptMarker | None:
         return _unknown_marker()
 
 
-def prepare(root: RootConfig, step: int, attempt: str, world_size: int) -> Prepared:
+def prepare(root: RootConfig, step: int, attempt: str, world_size: int, run: str = "") -> Prepared:
     """Make ``tmp_step_N`` attempt ``attempt``'s directory, durably. Idempotent.
 
     A directory already marked for ``attempt`` is left as it is. One marked for any other
     attempt is moved into the trash and a fresh one created. An unmarked one (a trainer's
-    files written before its ``begin``) is kept and marked. The marker is written to a
+    files written before its ``begin``) is kept and marked. The marker records ``run``,
+    the run of the job the attempt belongs to. The marker is written to a
     unique temporary name, fsynced and renamed into place, and the directory fsynced.
 
     Raises:
@@ -114,6 +115,7 @@ def prepare(root: RootConfig, step: int, attempt: str, world_size: int) -> Prepa
         step=step,
         world_size=world_size,
         created=datetime.now(UTC).isoformat(),
+        run=run,
     )
     write_atomic(os.path.join(tmp, ATTEMPT_MARKER), msgspec.json.encode(marker))
     if created or moved is not None:

@@ -191,9 +191,11 @@ class LocalStorage:
         """See :func:`daemon.store._layout.write_layout`."""
         return _layout.write_layout(root)
 
-    def prepare(self, root: RootConfig, step: int, attempt: str, world_size: int) -> Prepared:
+    def prepare(
+        self, root: RootConfig, step: int, attempt: str, world_size: int, run: str = ""
+    ) -> Prepared:
         """See :func:`daemon.store._attempts.prepare`."""
-        return _attempts.prepare(root, step, attempt, world_size)
+        return _attempts.prepare(root, step, attempt, world_size, run)
 
     def read_attempt(self, tmp: str) -> AttemptMarker | None:
         """See :func:`daemon.store._attempts.read_marker`."""

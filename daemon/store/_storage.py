@@ -141,8 +141,10 @@ class Storage(Protocol):
 
     # Attempts (daemon.store._attempts).
 
-    def prepare(self, root: RootConfig, step: int, attempt: str, world_size: int) -> Prepared:
-        """Make ``tmp_step_N`` the attempt's: mark it, setting aside another's."""
+    def prepare(
+        self, root: RootConfig, step: int, attempt: str, world_size: int, run: str = ""
+    ) -> Prepared:
+        """Make ``tmp_step_N`` the attempt's (of run ``run``): mark it, setting aside another's."""
         ...
 
     def read_attempt(self, tmp: str) -> AttemptMarker | None:

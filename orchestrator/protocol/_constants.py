@@ -91,6 +91,10 @@ class ErrorCode(enum.StrEnum):
     STALE_ATTEMPT = "stale_attempt"
     """``begin``/``done``/``fail`` names an attempt that is not the step's current one (an
     earlier, failed or replaced run of the job); nothing was changed."""
+    RUN_CONFLICT = "run_conflict"
+    """``begin`` of one run for a step whose attempt another run of the job (``run``) is
+    still writing: a requeued run never joins the run it replaced; it starts the step
+    over once that attempt failed."""
     STEP_CLOSED = "step_closed"
     """``begin`` for a step that is being verified or promoted: no writer may join it."""
     NODE_CONFLICT = "node_conflict"

@@ -166,6 +166,8 @@ class AttemptMarker(msgspec.Struct, frozen=True, kw_only=True):
     world_size: int
     created: str
     """When the attempt began (ISO 8601, UTC)."""
+    run: str = ""
+    """The run of the job the attempt belongs to (``begin``'s ``run``); "": unnamed."""
 
 
 class StatusReply(_Reply, frozen=True, kw_only=True):

@@ -12,6 +12,7 @@ import msgspec
 
 __all__ = [
     "AttemptId",
+    "RunId",
     "Begin",
     "Done",
     "Fail",
@@ -47,6 +48,7 @@ Reason = Annotated[str, msgspec.Meta(max_length=_MAX_REASON)]
 RequestId = Annotated[int, msgspec.Meta(ge=-_I64, le=_I64)]
 Seconds = Annotated[float, msgspec.Meta(ge=0, le=7 * 24 * 3600)]
 AttemptId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
+RunId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9._:-]{1,128}$")]
 """An attempt's id: what the daemon put in the ``begin`` reply (1-64 of ``A-Za-z0-9._-``)."""
 MetricName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:/@+-]{1,128}$")]
 """A metric's name: 1-128 of ``A-Za-z0-9_.:/@+-`` (``val_loss``, ``val:accuracy``)."""
@@ -83,6 +85,13 @@ class Begin(_Request, frozen=True, tag="begin"):
     node. Below ``world_size``, the step spans nodes: this node's daemon writes a node
     marker once its ranks are done, and the daemon serving rank 0 promotes the step when
     the markers cover every rank (``docs/multinode.md``).
+
+    ``run`` names the run of the job this rank belongs to (every rank of one run says
+    the same; a restarted or requeued run says another, see
+    ``orchestrator._run.run_identity``). A node joins, and counts, only an attempt of
+    its own run: a ``tmp_step_N`` another run left behind is set aside by the leader
+    before this run writes there, and a step another run still writes is refused.
+    None: unsaid, as before runs were named.
     """
 
     root: PathStr
@@ -92,6 +101,7 @@ class Begin(_Request, frozen=True, tag="begin"):
     resent: bool = False
     attempt: AttemptId | None = None
     local_world_size: WorldSize | None = None
+    run: RunId | None = None
 
 
 class Done(_Request, frozen=True, tag="done"):

@@ -1,0 +1,143 @@
+"""Runs of a job: every begin names its run, and no run joins another run's attempt.
+
+A requeued or restarted job is another run. Its ranks name it without asking a daemon
+(``orchestrator._run``), the attempt marker records it, the ledger never lets a begin of
+one run join the attempt of another, and a node whose state was lost joins only a
+marker of its own run (``tests/test_multinode_requeue.py`` on simulated nodes).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from daemon.base._errors import RequestError
+from daemon.ledger._ledger import Ledger, SaveKey
+from daemon.ledger._records import JBegin
+from orchestrator import CheckpointClient
+from orchestrator._run import run_identity
+from orchestrator.protocol import ATTEMPT_MARKER, ErrorCode, SaveState
+from tests.conftest import DaemonProcess, LineClient
+
+KEY = SaveKey("/ckpt/run-42", 5)
+
+
+class TestRunIdentity:
+    """The run comes from an explicit id, else torchelastic's, else Slurm's environment."""
+
+    def test_explicit_wins(self) -> None:
+        env = {"TORCHELASTIC_RUN_ID": "abc", "SLURM_JOB_ID": "77"}
+        assert run_identity("mine-1", env) == "mine-1"
+
+    def test_torchelastic_with_its_restart_count(self) -> None:
+        env = {"TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "2"}
+        assert run_identity(None, env) == "torchelastic:abc:2"
+        assert run_identity(None, {**env, "SLURM_JOB_ID": "77"}) == "torchelastic:abc:2"
+
+    def test_slurm_requeue_is_another_run(self) -> None:
+        first = run_identity(None, {"SLURM_JOB_ID": "77"})
+        again = run_identity(None, {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"})
+        assert first == "slurm:77:0" and again == "slurm:77:1"
+
+    def test_none_without_a_source(self) -> None:
+        assert run_identity(None, {}) is None
+
+    def test_an_id_that_does_not_fit_becomes_its_digest(self) -> None:
+        env = {"TORCHELASTIC_RUN_ID": "a run / with spaces"}
+        found = run_identity(None, env)
+        assert found is not None and found.startswith("sha256:")
+        assert found == run_identity(None, dict(env))  # the same on every rank
+
+    def test_a_bad_explicit_id_is_refused(self) -> None:
+        with pytest.raises(ValueError, match="run 'no spaces'"):
+            run_identity("no spaces", {})
+
+
+class TestLedgerRuns:
+    """A begin of another run never joins the step's attempt."""
+
+    def test_another_runs_begin_is_refused_while_the_attempt_is_open(self) -> None:
+        ledger = Ledger(lease=10.0, save_timeout=None)
+        ledger.begin(KEY, 0, 2, 1, 0.0, fresh="a1", run="job:1")
+        with pytest.raises(RequestError) as caught:
+            ledger.begin(KEY, 1, 2, 2, 1.0, fresh="a2", run="job:2")
+        assert caught.value.code is ErrorCode.RUN_CONFLICT
+        assert "job:1" in str(caught.value) and "job:2" in str(caught.value)
+        save = ledger.get(KEY)
+        assert save is not None and sorted(save.ranks) == [0] and save.attempt == "a1"
+
+    def test_the_same_run_joins(self) -> None:
+        ledger = Ledger(lease=10.0, save_timeout=None)
+        ledger.begin(KEY, 0, 2, 1, 0.0, fresh="a1", run="job:1")
+        ledger.begin(KEY, 1, 2, 2, 1.0, fresh="a2", run="job:1")
+        save = ledger.get(KEY)
+        assert save is not None and sorted(save.ranks) == [0, 1] and save.attempt == "a1"
+
+    def test_another_run_starts_a_failed_step_over(self) -> None:
+        ledger = Ledger(lease=10.0, save_timeout=None)
+        ledger.begin(KEY, 0, 2, 1, 0.0, fresh="a1", run="job:1")
+        ledger.fail(KEY, 0, "disk full", 1.0)
+        # On the failed attempt's own connection: only another run may start it over.
+        assert not ledger.starts_new_attempt(KEY, 1, run="job:1")
+        assert ledger.starts_new_attempt(KEY, 1, run="job:2")
+        ledger.begin(KEY, 0, 2, 1, 2.0, fresh="a2", run="job:2")
+        save = ledger.get(KEY)
+        assert save is not None and save.attempt == "a2" and save.run == "job:2"
+        assert save.state is SaveState.OPEN
+
+    def test_the_run_is_journaled_and_replayed(self) -> None:
+        ledger = Ledger(lease=10.0, save_timeout=None)
+        ledger.begin(KEY, 0, 2, 1, 0.0, fresh="a1", run="job:1")
+        records = ledger.drain_records()
+        assert [r.run for r in records if isinstance(r, JBegin)] == ["job:1"]
+        replayed = Ledger(lease=10.0, save_timeout=None)
+        for record in records:
+            replayed.replay(record, 0.0)
+        save = replayed.get(KEY)
+        assert save is not None and save.run == "job:1"
+        assert [r.run for r in replayed.snapshot() if isinstance(r, JBegin)] == ["job:1"]
+
+    def test_unnamed_runs_keep_todays_rule(self) -> None:
+        ledger = Ledger(lease=10.0, save_timeout=None)
+        ledger.begin(KEY, 0, 2, 1, 0.0, fresh="a1")
+        ledger.begin(KEY, 1, 2, 2, 1.0, fresh="a2", run="job:2")  # joins: nothing says no
+        save = ledger.get(KEY)
+        assert save is not None and sorted(save.ranks) == [0, 1]
+
+
+def _marker(root: Path, step: int) -> dict[str, object]:
+    found: dict[str, object] = json.loads((root / f"tmp_step_{step}" / ATTEMPT_MARKER).read_text())
+    return found
+
+
+class TestTheMarkerRecordsTheRun:
+    """The attempt marker in ``tmp_step_N`` says whose run the directory is."""
+
+    def test_a_begin_on_the_wire(self, start: Callable[..., DaemonProcess], root: Path) -> None:
+        daemon = start([root])
+        with LineClient(daemon.socket_path) as conn:
+            reply = conn.request(
+                "begin", root=str(root), step=3, rank=0, world_size=1, run="slurm:77:1"
+            )
+            assert reply["ok"], reply
+            assert _marker(root, 3)["run"] == "slurm:77:1"
+            other = conn.request(
+                "begin", root=str(root), step=3, rank=0, world_size=1, run="slurm:77:2"
+            )
+            assert not other["ok"] and other["error"]["code"] == "run_conflict", other
+
+    def test_the_client_names_its_run(
+        self, start: Callable[..., DaemonProcess], root: Path
+    ) -> None:
+        daemon = start([root])
+        with CheckpointClient(str(daemon.socket_path), run="torchelastic:x:0") as client:
+            begun = client.begin(str(root), 4, 0, 1)
+            assert begun.acknowledged
+        assert _marker(root, 4)["run"] == "torchelastic:x:0"
+
+    def test_a_run_the_protocol_cannot_carry_is_refused(self) -> None:
+        with pytest.raises(ValueError, match="run"):
+            CheckpointClient("/nonexistent.sock", run="has spaces")
