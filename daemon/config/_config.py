@@ -106,9 +106,16 @@ class RootConfig:
         return os.path.join(self.path, f"{self.final_prefix}{step}")
 
     def parse_step(self, name: str, prefix: str) -> int | None:
-        """The step of a directory entry ``name`` with ``prefix``, or None."""
+        """The step of a directory entry ``name`` with ``prefix``, or None.
+
+        Only the name the daemon gives a step (:meth:`final_dir`, :meth:`tmp_dir`: the
+        step in plain decimal) is one: ``step_03``, a copy made by hand, is no second
+        ``step_3`` and is never counted, judged or touched as a checkpoint.
+        """
         digits = name[len(prefix) :] if name.startswith(prefix) else ""
-        return int(digits) if digits.isdigit() and digits.isascii() else None
+        if not (digits.isdigit() and digits.isascii()) or (digits[0] == "0" and digits != "0"):
+            return None
+        return int(digits)
 
 
 @dataclass(kw_only=True, slots=True)
