@@ -109,13 +109,17 @@ class RetentionState:
     def adopt(self, key: SaveKey, attempt: str, found: Mapping[str, float]) -> dict[str, float]:
         """The step is promoted as ``attempt``: give it its metrics.
 
-        ``found`` (from its files), overridden by what that attempt's ranks reported.
-        Returns what was added.
+        ``found`` (from its files), overridden by what that attempt's ranks reported;
+        neither overrides a value already acknowledged for the step (a ``score`` that
+        came between the promotion and this adoption: the evaluation job's word is the
+        newer). Returns what was added.
         """
         added = checked_metrics(found)
         held = self._pending.pop(key, None)
         if held is not None and held[0] == attempt:
             added.update(held[1])
+        known = self._metrics.get(key, {})
+        added = {name: value for name, value in added.items() if name not in known}
         if added or held is not None:
             self._merge(key, added)
             self._record(JMetrics(key.root, key.step, added, adopted=True))
