@@ -218,3 +218,31 @@ class Outcomes:
                 f"{save.attempt or '(unnamed)'} cannot resume (a new job's begin starts the "
                 "step over)",
             )
+
+    def starts_new_attempt(
+        self,
+        key: SaveKey,
+        conn: int | None,
+        *,
+        resent: bool = False,
+        attempt: str | None = None,
+        run: str | None = None,
+    ) -> bool:
+        """Whether a ``begin`` for ``key`` from ``conn`` would start the step over.
+
+        True for a failed step and a ``begin`` from a process that took no part in the
+        failed attempt: not on one of its connections, not re-sent after a reconnect,
+        and not naming an attempt. That is a job that crashed while saving step N,
+        resumed from an earlier checkpoint and saves step N again; the failed attempt's
+        directory was set aside when it failed. A late ``begin`` from the failed attempt
+        itself is refused instead. A ``begin`` of another run (``run``, when both name
+        one) always starts a failed step over.
+        """
+        save = self._saves.get(key)
+        if save is None or save.state is not SaveState.FAILED:
+            return False
+        if self._replaying:  # only a new attempt was ever journaled after a failure
+            return True
+        if run and save.run and run != save.run:
+            return True
+        return not resent and attempt is None and conn not in save.conns

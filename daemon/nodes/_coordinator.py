@@ -37,7 +37,7 @@ from ..host._host import Coordinating
 from ..ledger._saves import Effect, MarkNode, NodeFailed, SaveKey, SaveRecord, Watch
 from ..store import _markers
 from ..store._markers import Seen, marker_for
-from ..store._storage import Storage
+from ._joining import Joining
 from ._waker import Waker, watching
 
 __all__ = ["RENAMED_TRUST", "Nodes"]
@@ -50,7 +50,7 @@ _SAFETY_POLL: Final = 1.0
 """Seconds between looks even when watchfiles reports nothing (a missed event)."""
 
 
-class Nodes:
+class Nodes(Joining):
     """Coordination of spanning saves through the shared filesystem, for one daemon.
 
     Args:
@@ -72,7 +72,7 @@ class Nodes:
         self.group: TaskGroup | None = None
         """Where markers are written and watched; set by ``serve``."""
         self._watching: set[SaveKey] = set()
-        self._begun: dict[SaveKey, anyio.Event] = {}
+        self._begun: dict[SaveKey, anyio.Event] = {}  # begins waiting for an attempt
         self._locks: dict[SaveKey, anyio.Lock] = {}
         self._done_written: set[tuple[SaveKey, str]] = set()
         self._pending = Holds()
@@ -84,10 +84,6 @@ class Nodes:
         self._closed = False
 
     @property
-    def _storage(self) -> Storage:
-        return self._daemon.storage
-
-    @property
     def node(self) -> str:
         """This node's name."""
         return self._daemon.config.node
@@ -95,63 +91,6 @@ class Nodes:
     def reporting(self, key: SaveKey) -> bool:
         """Whether ``key``'s failure is still being written out, so not yet reported."""
         return key in self._pending
-
-    # -- agreeing on the attempt ---------------------------------------------------------
-
-    def begun(self, key: SaveKey) -> None:
-        """A ``begin`` created or joined ``key`` here: wake the begins waiting for it."""
-        event = self._begun.pop(key, None)
-        if event is not None:
-            event.set()
-
-    async def attempt_for(
-        self, root: RootConfig, key: SaveKey, world_size: int, run: str | None = None
-    ) -> str | None:
-        """The attempt a spanning save's first ``begin`` on this node joins.
-
-        Waits until the leader's attempt marker is in ``tmp_step_N`` (its attempt is
-        returned) or a ``begin`` on this node created the save meanwhile (None). A marker
-        of an attempt known to have ended is no one's to join, and neither is one of
-        another run than ``run`` (when the begin names one): that directory is a stale
-        run's, which the leader sets aside before it marks its own.
-
-        Raises:
-            RequestError: (``unavailable``) no attempt marker within ``node_timeout``.
-        """
-        daemon = self._daemon
-        deadline = daemon.clock() + daemon.config.node_timeout
-        tmp = root.tmp_dir(key.step)
-        while True:
-            save = daemon.ledger.get(key)
-            if save is not None and save.state is p.SaveState.OPEN:
-                return None
-            marker = await self._run(root, self._storage.read_attempt, tmp)
-            if (
-                isinstance(marker, p.AttemptMarker)
-                and marker.world_size == world_size
-                and (not run or marker.run == run)
-            ):
-                ended = save is not None and save.attempt == marker.attempt
-                if not ended:
-                    verdict = await self._run(
-                        root, self._storage.read_verdict, root, key.step, marker.attempt
-                    )
-                    if verdict is None:
-                        return marker.attempt
-            left = deadline - daemon.clock()
-            if left <= 0:
-                stale = ""
-                if isinstance(marker, p.AttemptMarker) and run and marker.run != run:
-                    stale = f" (the marker there is run {marker.run or '(unnamed)'}'s, not {run}'s)"
-                raise RequestError(
-                    p.ErrorCode.UNAVAILABLE,
-                    f"step {key.step} spans nodes, and the leader (the daemon serving rank 0) "
-                    f"wrote no attempt marker of this run into {tmp} within node_timeout "
-                    f"{daemon.config.node_timeout:g}s{stale}; retry",
-                )
-            event = self._begun.setdefault(key, anyio.Event())
-            with anyio.move_on_after(min(root.poll_interval, left)):
-                await event.wait()
 
     def watch(self, save: SaveRecord) -> None:
         """Watch the shared directory for ``save`` from the moment this node joins it.
