@@ -420,16 +420,17 @@ class TestSharedRoot:
                 assert job.wait(0, step)["state"] == "promoted"
                 if step == 1:
                     ok(client.request("pin", root=str(root), step=1))  # the leader's pin
-        with connect(follower) as client:  # knows no pin: it would retire step 1
+        with connect(follower) as client:  # the leader's pin is on the root: it knows it
             report = ok(client.request("retention", root=str(root), apply=True))
         assert report["info"]["prunes"] is False and report["retired"] == []
+        assert {s["step"]: s.get("pinned", False) for s in report["steps"]} == {1: True, 2: False}
         assert steps_on_disk(root) == [1, 2]
         capsys.readouterr()
         socket = str(follower.socket_path)
         assert main(["gc", str(root), "--policy", "--yes", "--socket", socket]) == 0
         out = capsys.readouterr().out.splitlines()
         assert out[0] == f"{root}: policy keep_last=1 (not pruned here)"
-        assert out[1].startswith("would retire (by the leader's daemon): step 1  (keep_last=1: ")
+        assert out[1].startswith("nothing to retire"), out
         assert steps_on_disk(root) == [1, 2]
         with connect(leader) as client:
             report = ok(client.request("retention", root=str(root), apply=True))

@@ -85,6 +85,7 @@ class Retention:
         roots = [r for r in daemon.config.roots if r.retention is not None]
         self._kicks = {r.path: anyio.Event() for r in roots}
         self._passing = {r.path: anyio.Lock() for r in roots}
+        self._facts_locks: dict[str, anyio.Lock] = {}
         self._wake_at: dict[str, float] = {}
         self._last_prunes: dict[str, bool] = {}
         self._group: TaskGroup | None = None
@@ -195,6 +196,7 @@ class Retention:
             return [], None, []
         async with self._passing[root.path]:
             found = await self._scan(root)
+            await self._absorb(root, found)
             await self._adopt(root, found)
             now = time.time()
             self.state.prune(root.path, {f.step for f in found}, now)
@@ -249,8 +251,43 @@ class Retention:
                 info = await self._daemon.lanes.run(root.path, metrics, path)
             self.state.adopt(key, f.attempt, info)
             changed = True
+            await self._write_facts(root, key, f.attempt)
         if changed:
             await self._daemon.commit([])
+
+    async def _absorb(self, root: RootConfig, found: list[Found]) -> None:
+        """Take the pins, holds and metrics the root records that this state lacks.
+
+        What a daemon started on an empty state directory knows of the root's steps
+        comes from there (``daemon.store._facts``), before anything is judged.
+        """
+        daemon = self._daemon
+        facts = await daemon.lanes.run(root.path, daemon.storage.read_facts, root)
+        on_disk = {f.step: f.attempt for f in found if f.complete}
+        now = time.time()
+        changed = False
+        for step, fact in facts.items():
+            key = SaveKey(root.path, step)
+            changed = self.state.absorb(key, fact, on_disk.get(step), now) or changed
+        if changed:
+            await daemon.commit([])
+
+    def facts_lock(self, root: RootConfig) -> anyio.Lock:
+        """Held while a step's facts of ``root`` are taken from the state and written."""
+        return self._facts_locks.setdefault(root.path, anyio.Lock())
+
+    async def _write_facts(self, root: RootConfig, key: SaveKey, attempt: str) -> None:
+        """Record a step's facts on the root after they changed here (best effort)."""
+        daemon = self._daemon
+        try:
+            async with self.facts_lock(root):
+                facts = self.state.facts(key, attempt, time.time())
+                await daemon.lanes.run(root.path, daemon.storage.write_facts, root, facts)
+        except OSError as exc:
+            daemon.events.emit(
+                "retention.facts_failed", "warning", root=root.path, step=key.step,
+                error=exc.strerror or str(exc),
+            )  # fmt: skip
 
     def _unadopted(self, key: SaveKey, found: Found) -> bool:
         """Whether promoted ``key`` has metrics still to take (its files', its ``done``s')."""
@@ -358,6 +395,10 @@ class Retention:
             for step, entry in moved.items():
                 key = SaveKey(root.path, step)
                 self.state.retired(key, entry, going[step].retire or "")
+                try:
+                    await lanes.run(root.path, storage.remove_facts, root, step)
+                except OSError:
+                    pass  # stale facts of a retired attempt: another attempt never takes them
                 save = daemon.ledger.get(key)
                 if save is not None and save.state is p.SaveState.PROMOTED:
                     daemon.ledger.forget(key)  # it may be saved afresh, as after gc

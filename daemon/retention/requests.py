@@ -9,11 +9,16 @@ the root's pass. A pin or hold whose step vanished meanwhile is undone and refus
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Protocol
+
+import anyio
+import msgspec
 
 from orchestrator import protocol as p
 
-from ..base._errors import RequestError
+from ..base._errors import RequestError, VerificationError
 from ..config._config import RootConfig
 from ..host._host import Host
 from ..ledger._saves import SaveKey
@@ -49,6 +54,10 @@ class Retaining(Protocol):
         """Judge ``root``'s steps (and, with ``apply``, retire what goes)."""
         ...
 
+    def facts_lock(self, root: RootConfig) -> anyio.Lock:
+        """Held while a step's facts of ``root`` are taken from the state and written."""
+        ...
+
 
 async def answer(
     retention: Retaining, daemon: Host, request: p.Score | p.Pin | p.Unpin | p.Hold | p.Retention
@@ -67,9 +76,14 @@ async def answer(
     match request:
         case p.Score(metrics=metrics):
             await _require_promoted(daemon, root, key)
-            retention.state.score(key, metrics)
+            async with retention.facts_lock(root):
+                merged = retention.state.scored(key, metrics)
+                await _on_root(retention, daemon, root, key, metrics=merged, locked=True)
+                retention.state.score(key, metrics)
         case p.Unpin():
-            retention.state.pin(key, False)
+            changed = retention.state.pin(key, False)
+            repin = partial(retention.state.pin, key, True) if changed else None
+            await _on_root(retention, daemon, root, key, undo=repin)
         case p.Pin():
             _not_retiring(retention, key)
             changed = retention.state.pin(key, True)
@@ -79,6 +93,8 @@ async def answer(
                 raise RequestError(
                     p.ErrorCode.NOT_FOUND, f"{root.final_dir(key.step)} does not exist"
                 )
+            unpin = partial(retention.state.pin, key, False) if changed else None
+            await _on_root(retention, daemon, root, key, undo=unpin)
         case p.Hold(ttl=ttl):
             now = time.time()
             if ttl > 0:
@@ -92,10 +108,60 @@ async def answer(
                         f"{root.final_dir(key.step)} is not a promoted checkpoint",
                     )
             else:
+                before = retention.state.held_until(key, now)
                 retention.state.hold(key, 0.0, now)
+            undo = partial(retention.state.hold, key, before or 0.0, now)
+            await _on_root(retention, daemon, root, key, undo=undo)
     await daemon.commit([])
     retention.kick(root.path)
     return p.Ack(id=request.id)
+
+
+async def _on_root(
+    retention: Retaining,
+    daemon: Host,
+    root: RootConfig,
+    key: SaveKey,
+    *,
+    metrics: dict[str, float] | None = None,
+    undo: Callable[[], object] | None = None,
+    locked: bool = False,
+) -> None:
+    """Record the step's retention facts on the root (``metrics``: as they will be).
+
+    Durable before the request is acknowledged: a daemon that starts with an empty
+    state directory takes them from there (``daemon.store._facts``). If they cannot be
+    written, ``undo`` puts the state back and the request is refused. The facts are
+    taken from the state under the root's facts lock (``locked``: the caller holds it),
+    so a write never carries an older state than the one before it.
+
+    Raises:
+        RequestError: (``unavailable``) the facts could not be written.
+    """
+    if not locked:
+        async with retention.facts_lock(root):
+            await _on_root(retention, daemon, root, key, undo=undo, locked=True)
+        return
+    lanes, storage = daemon.lanes, daemon.storage
+    try:
+        final = root.final_dir(key.step)
+        manifest = await lanes.run(root.path, storage.read_manifest, final, abandon=True)
+        attempt = manifest.attempt
+    except VerificationError:
+        attempt = ""  # not promoted yet (a pin of a step in flight): no metrics or hold
+    facts = retention.state.facts(key, attempt, time.time())
+    if metrics is not None:
+        facts = msgspec.structs.replace(facts, metrics=metrics)
+    try:
+        await lanes.run(root.path, storage.write_facts, root, facts, abandon=True)
+    except OSError as exc:
+        if undo is not None:
+            undo()
+        raise RequestError(
+            p.ErrorCode.UNAVAILABLE,
+            f"cannot record step {key.step}'s retention on {root.path} "
+            f"({exc.strerror or exc}); nothing was changed",
+        ) from None
 
 
 def _not_retiring(retention: Retaining, key: SaveKey) -> None:

@@ -14,6 +14,7 @@ attempt), so a failed attempt's numbers never judge the attempt that replaced it
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Collection, Iterable, Mapping
 
 from orchestrator.protocol import ErrorCode
@@ -22,6 +23,7 @@ from ..base._errors import RequestError
 from ..config._retention import MAX_METRICS
 from ..ledger._records import JHold, JMetrics, JournalRecord, JPin, JRetired
 from ..ledger._saves import SaveKey
+from ..store._facts import StepRetention
 
 __all__ = ["MAX_METRICS", "RetentionState", "RetentionRecord", "checked_metrics"]
 
@@ -54,6 +56,7 @@ class RetentionState:
         self._pins: set[SaveKey] = set()
         self._holds: dict[SaveKey, float] = {}
         self._outbox: list[JournalRecord] = []
+        self._facts_seen: dict[SaveKey, int] = {}  # the newest facts written or taken
 
     # -- queries -----------------------------------------------------------------------
 
@@ -125,6 +128,16 @@ class RetentionState:
             self._record(JMetrics(key.root, key.step, added, adopted=True))
         return added
 
+    def scored(self, key: SaveKey, metrics: Mapping[str, float]) -> dict[str, float]:
+        """The step's metrics once :meth:`score` took ``metrics``; changes nothing.
+
+        Raises:
+            RequestError: as :meth:`score` would.
+        """
+        merged = {**self._metrics.get(key, {}), **checked_metrics(metrics)}
+        _bounded(merged)
+        return merged
+
     def score(self, key: SaveKey, metrics: Mapping[str, float]) -> None:
         """An evaluation job scored the promoted step (``ckptd score``).
 
@@ -156,9 +169,54 @@ class RetentionState:
             self._holds.pop(key, None)
         self._record(JHold(key.root, key.step, until))
 
+    def facts(self, key: SaveKey, attempt: str, now: float) -> StepRetention:
+        """What the root is to record of ``key`` (promoted as ``attempt``), stamped now."""
+        written = max(time.time_ns(), self._facts_seen.get(key, 0) + 1)
+        self._facts_seen[key] = written
+        return StepRetention(
+            step=key.step,
+            attempt=attempt,
+            pinned=key in self._pins,
+            held_until=self.held_until(key, now) or 0.0,
+            metrics=self.metrics(key),
+            written=written,
+        )
+
+    def absorb(self, key: SaveKey, facts: StepRetention, attempt: str | None, now: float) -> bool:
+        """Take what the root records of ``key``, if newer than this state knows; whether any.
+
+        The root's facts were written before each change was acknowledged, so a state
+        that lost its journal regains every pin, hold and metric from them, and one that
+        did not learns the changes another node's daemon made. Facts taken or written
+        here before are not taken again (a read that raced a change here is stale). The
+        pin is the facts'; a later hold and metrics not yet known are added; a hold and
+        metrics count only for the attempt they were of (``attempt``: on disk now).
+        """
+        if facts.written <= self._facts_seen.get(key, -1):
+            return False
+        self._facts_seen[key] = facts.written
+        changed = self.pin(key, facts.pinned)
+        if attempt is None or facts.attempt != attempt:
+            return changed
+        if facts.held_until > max(now, self._holds.get(key, 0.0)):
+            self.hold(key, facts.held_until, now)
+            changed = True
+        known = self._metrics.get(key, {})
+        missing = {n: v for n, v in facts.metrics.items() if n not in known}
+        if missing and len(known) + len(missing) <= MAX_METRICS:
+            try:
+                missing = checked_metrics(missing)
+            except RequestError:
+                return changed  # edited by hand into something no request could send
+            self._merge(key, missing)
+            self._record(JMetrics(key.root, key.step, missing))
+            changed = True
+        return changed
+
     def retired(self, key: SaveKey, entry: str, rule: str) -> None:
         """The step was moved into the trash as ``entry``: forget what was known of it."""
         self._drop(key)
+        self._facts_seen.pop(key, None)
         self._record(JRetired(key.root, key.step, entry, rule))
 
     def prune(self, root: str, present: Collection[int], now: float) -> None:

@@ -19,9 +19,22 @@ from typing import Final
 from orchestrator.protocol import AttemptMarker, FileEntry
 
 from ..config._config import RootConfig
-from . import _attempts, _durable, _fence, _gc, _layout, _markers, _paths, _promote, _steps, _verify
+from . import (
+    _attempts,
+    _durable,
+    _facts,
+    _fence,
+    _gc,
+    _layout,
+    _markers,
+    _paths,
+    _promote,
+    _steps,
+    _verify,
+)
 from ._attempts import Prepared
 from ._durable import fsync_dir
+from ._facts import StepRetention
 from ._gc import KeptEntry, TmpDir
 from ._markers import NodeMarker, Outcome, Seen, Verdict
 from ._promote import Promotion
@@ -311,3 +324,15 @@ class LocalStorage:
     def training_info_metrics(self, path: str) -> dict[str, float]:
         """See :func:`daemon.store._steps.training_info_metrics`."""
         return _steps.training_info_metrics(path)
+
+    def write_facts(self, root: RootConfig, facts: StepRetention) -> None:
+        """See :func:`daemon.store._facts.write_facts`."""
+        _facts.write_facts(root, facts)
+
+    def read_facts(self, root: RootConfig) -> dict[int, StepRetention]:
+        """See :func:`daemon.store._facts.read_facts`."""
+        return _facts.read_facts(root)
+
+    def remove_facts(self, root: RootConfig, step: int) -> None:
+        """See :func:`daemon.store._facts.remove_facts`."""
+        _facts.remove_facts(root, step)

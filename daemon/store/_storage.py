@@ -22,6 +22,7 @@ from orchestrator.protocol import AttemptMarker, FileEntry
 
 from ..config._config import RootConfig
 from ._attempts import Prepared
+from ._facts import StepRetention
 from ._gc import KeptEntry, TmpDir
 from ._markers import NodeMarker, Outcome, Seen, Verdict
 from ._promote import Promotion
@@ -272,4 +273,16 @@ class Storage(Protocol):
 
     def training_info_metrics(self, path: str) -> dict[str, float]:
         """The metrics in a checkpoint's ``training_info.json``."""
+        ...
+
+    def write_facts(self, root: RootConfig, facts: StepRetention) -> None:
+        """Record a step's pin, hold and metrics on the root, durably."""
+        ...
+
+    def read_facts(self, root: RootConfig) -> dict[int, StepRetention]:
+        """Every step's pin, hold and metrics the root records."""
+        ...
+
+    def remove_facts(self, root: RootConfig, step: int) -> None:
+        """Forget a retired step's facts on the root."""
         ...
