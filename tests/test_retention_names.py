@@ -1,10 +1,13 @@
-"""Only the daemon's own names are checkpoints: a zero-padded copy is no second step."""
+"""Names and reports: only the daemon's own step names count; ``gc --policy`` says who prunes."""
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
 
+import pytest
+
+from daemon.cli import main
 from daemon.config._config import RootConfig
 from tests.conftest import DaemonProcess
 from tests.test_retention import Start, configure, promote, settle, start_with
@@ -38,3 +41,17 @@ class TestStepNames:
             "step_2",
             "step_3",
         ]
+
+
+class TestGcPolicyReport:
+    """``gc --policy`` on the daemon that prunes the root does not say it does not."""
+
+    def test_the_pruner_says_nothing_of_it(
+        self, start: Start, root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        daemon = start_with(start, configure(tmp_path, root, "keep_last = 1"))
+        promote(daemon, root, 1)
+        capsys.readouterr()
+        assert main(["gc", str(root), "--policy", "--socket", str(daemon.socket_path)]) == 0
+        first = capsys.readouterr().out.splitlines()[0]
+        assert first == f"{root}: policy keep_last=1", first

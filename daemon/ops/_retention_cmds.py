@@ -120,7 +120,10 @@ def policy_report(args: argparse.Namespace, call: Call, refused: Callable[..., i
     if not info.get("policy"):
         print(f"{root}: no retention policy; nothing is ever retired")
         return 0
-    print(f"{root}: policy {info['policy']}" + ("" if info.get("prunes") else " (not pruned here)"))
+    print(
+        f"{root}: policy {info['policy']}"
+        + ("" if info.get("prunes", True) else " (not pruned here)")
+    )
     going = [s for s in reply["steps"] if not s.get("kept")]
     done = set(reply.get("retired", []))
     for step in going:
