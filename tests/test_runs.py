@@ -141,3 +141,27 @@ class TestTheMarkerRecordsTheRun:
     def test_a_run_the_protocol_cannot_carry_is_refused(self) -> None:
         with pytest.raises(ValueError, match="run"):
             CheckpointClient("/nonexistent.sock", run="has spaces")
+
+
+class TestOnlyTheLeaderDecides:
+    """Once a follower's ranks are all done, no timer of its own fails the step."""
+
+    def test_a_followers_save_timeout_waits_for_the_leader(self) -> None:
+        ledger = Ledger(lease=5.0, save_timeout=20.0)
+        for rank in (2, 3):  # this node: ranks 2 and 3 of 4, rank 0 elsewhere
+            ledger.begin(KEY, rank, 4, rank, 0.0, fresh="a1", local_world_size=2)
+            ledger.done(KEY, rank, [], rank, 1.0)
+        ledger.node_marked(KEY, 1.5)
+        assert ledger.tick(25.0) == []
+        save = ledger.get(KEY)
+        assert save is not None and save.state is SaveState.OPEN and not save.leader
+
+    def test_a_follower_still_writing_times_out(self) -> None:
+        ledger = Ledger(lease=5.0, save_timeout=20.0)
+        for rank in (2, 3):
+            ledger.begin(KEY, rank, 4, rank, 0.0, fresh="a1", local_world_size=2)
+        ledger.done(KEY, 2, [], 2, 1.0)
+        assert ledger.tick(25.0)
+        save = ledger.get(KEY)
+        assert save is not None and save.state is SaveState.FAILED
+        assert save.reason is not None and "ranks not done: 0-1,3" in save.reason

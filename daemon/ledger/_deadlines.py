@@ -89,6 +89,10 @@ class Deadlines:
                 )
                 return self._fail_rank(save, rank, record, reason, now)
         if save.deadline is not None and save.deadline <= now:
+            if save.spans and not save.leader and save.locally_done():
+                # This node's marker is done: only the leader decides the step now, and
+                # this node reports what the leader says, never an outcome of its own.
+                return []
             reason = (
                 f"timed out after {now - save.first_begin:.1f}s; "
                 f"ranks not done: {ranges(save.missing_ranks())}"
