@@ -7,9 +7,10 @@ client takes the number, in this order, from:
 1. an explicit ``local_world_size`` argument (it always wins);
 2. torchrun's ``LOCAL_WORLD_SIZE``;
 3. Slurm's ``SLURM_NTASKS_PER_NODE`` (set with ``--ntasks-per-node``);
-4. Slurm's ``SLURM_TASKS_PER_NODE``, only when every node of the step has the same
-   count (``8`` or ``8(x4)`` or ``8,8``): with counts that differ (``8(x2),4``) it
-   cannot tell which is this node's, so it is not used.
+4. Slurm's ``SLURM_TASKS_PER_NODE``: one count for every node (``8`` or ``8(x4)`` or
+   ``8,8``), or, when the counts differ (``8(x2),4``), this node's, the entry that
+   ``SLURM_NODEID`` (this node's index in the allocation) names; without a usable
+   ``SLURM_NODEID`` such a list is not used.
 
 With none of them, nothing is sent: the daemon takes ``world_size``, one node. A
 client reads the environment once, when it is created (:func:`read_environment`):
@@ -36,7 +37,12 @@ from typing import Final
 
 __all__ = ["ENV_VARS", "NodeEnv", "local_world_size", "read_environment"]
 
-ENV_VARS: Final = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+ENV_VARS: Final = (
+    "LOCAL_WORLD_SIZE",
+    "SLURM_NTASKS_PER_NODE",
+    "SLURM_TASKS_PER_NODE",
+    "SLURM_NODEID",
+)
 """The environment variables read, in order of precedence."""
 
 _PLAIN: Final = re.compile(r"[1-9][0-9]{0,9}")
@@ -73,9 +79,9 @@ def read_environment(environ: Mapping[str, str] | None = None) -> NodeEnv | None
     if _PLAIN.fullmatch(raw):
         return NodeEnv("SLURM_NTASKS_PER_NODE", raw, int(raw))
     raw = env.get("SLURM_TASKS_PER_NODE", "").strip()
-    uniform = _uniform_tasks(raw)
-    if uniform is not None:
-        return NodeEnv("SLURM_TASKS_PER_NODE", raw, uniform)
+    count = _tasks_here(raw, env.get("SLURM_NODEID", "").strip())
+    if count is not None:
+        return NodeEnv("SLURM_TASKS_PER_NODE", raw, count)
     return None
 
 
@@ -125,15 +131,25 @@ def local_world_size(
     return env.value
 
 
-def _uniform_tasks(raw: str) -> int | None:
-    # Slurm's "8(x2),4": one count per node, "(xN)" repeating it. Only one count for
-    # every node says which is this node's without knowing its index in the list.
+def _tasks_here(raw: str, node_id: str) -> int | None:
+    # Slurm's "8(x2),4": one count per node, "(xN)" repeating it. One count for every
+    # node is this node's; otherwise SLURM_NODEID (this node's index) picks its entry.
     if not raw:
         return None
-    counts: set[int] = set()
+    counts: list[tuple[int, int]] = []  # (count, nodes)
     for part in raw.split(","):
         found = _TASKS.fullmatch(part.strip())
         if found is None:
             return None
-        counts.add(int(found[1]))
-    return counts.pop() if len(counts) == 1 else None
+        repeat = part.strip().partition("(x")[2].rstrip(")")
+        counts.append((int(found[1]), int(repeat) if repeat else 1))
+    if len({count for count, _ in counts}) == 1:
+        return counts[0][0]
+    if not node_id.isdigit() or not node_id.isascii():
+        return None
+    index = int(node_id)
+    for count, nodes in counts:
+        if index < nodes:
+            return count
+        index -= nodes
+    return None  # an index beyond the list: not this allocation's
