@@ -165,3 +165,42 @@ class TestOnlyTheLeaderDecides:
         save = ledger.get(KEY)
         assert save is not None and save.state is SaveState.FAILED
         assert save.reason is not None and "ranks not done: 0-1,3" in save.reason
+
+
+def _spanning_dir(root: Path, step: int, run: str) -> None:
+    """``tmp_step_N`` as a save spanning nodes leaves it: its attempt, another node's marker."""
+    tmp = root / f"tmp_step_{step}"
+    tmp.mkdir()
+    marker = {"attempt": "span1", "root": str(root), "step": step, "world_size": 4}
+    (tmp / ATTEMPT_MARKER).write_text(json.dumps({**marker, "created": "", "run": run}))
+    (tmp / ".ckptd-node-n1.json").write_text("{}")
+
+
+class TestSingleNodeBeginOnASpanningDirectory:
+    """A begin without local_world_size never sets a spanning attempt aside as in the way."""
+
+    def test_refused_naming_local_world_size(
+        self, start: Callable[..., DaemonProcess], root: Path
+    ) -> None:
+        daemon = start([root])
+        _spanning_dir(root, 5, "job:1")
+        _spanning_dir(root, 6, "")
+        with LineClient(daemon.socket_path) as conn:
+            for step, run in ((5, {"run": "job:1"}), (6, {})):
+                reply = conn.request(
+                    "begin", root=str(root), step=step, rank=1, world_size=4, **run
+                )
+                assert not reply["ok"] and reply["error"]["code"] == "node_conflict", reply
+                assert "local_world_size" in reply["error"]["message"]
+                assert (root / f"tmp_step_{step}" / ".ckptd-node-n1.json").exists()
+
+    def test_another_runs_directory_is_set_aside(
+        self, start: Callable[..., DaemonProcess], root: Path
+    ) -> None:
+        daemon = start([root])
+        _spanning_dir(root, 5, "job:1")
+        with LineClient(daemon.socket_path) as conn:
+            reply = conn.request("begin", root=str(root), step=5, rank=0, world_size=1, run="job:2")
+            assert reply["ok"], reply
+        assert _marker(root, 5)["run"] == "job:2"
+        assert not (root / "tmp_step_5" / ".ckptd-node-n1.json").exists()

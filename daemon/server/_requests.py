@@ -183,6 +183,8 @@ class Requests:
         ):
             await self._admit(root, key)
             lws = request.local_world_size
+            if lws is None or lws >= request.world_size:
+                await self._single_node(root, request)
             if lws is not None and lws < request.world_size and request.rank != 0:
                 # Spanning nodes: every node's ranks join the attempt the leader marks.
                 joined = await self.nodes.attempt_for(root, key, request.world_size, request.run)
@@ -238,6 +240,27 @@ class Requests:
                 root.path, self.storage.check_tmp_dir, root, key.step, abandon=True
             )
         reloaded_root_check(self.config, self.retiring, root)  # after the last await
+
+    async def _single_node(self, root: RootConfig, request: p.Begin) -> None:
+        """Refuse a one-node ``begin`` where a save spanning nodes left its directory.
+
+        Without ``local_world_size`` a begin is a save on this node alone, which would
+        set the spanning attempt's ``tmp_step_N`` (with the other nodes' markers) aside.
+        That is a node that lost ``LOCAL_WORLD_SIZE``: say so, unless the directory is
+        another run's (a requeued job may save on fewer nodes).
+        """
+        found = await self.lanes.run(
+            root.path, self.storage.spanning_attempt, root, request.step, abandon=True
+        )
+        if found is None or (request.run and found.run and found.run != request.run):
+            return
+        raise RequestError(
+            p.ErrorCode.NODE_CONFLICT,
+            f"{root.tmp_dir(request.step)} holds attempt {found.attempt} of a save spanning "
+            f"nodes, and this begin sends no local_world_size (so it would save on this "
+            f"node alone): set LOCAL_WORLD_SIZE (torchrun) or pass local_world_size on "
+            f"every rank; if that attempt is dead, ckptd gc --yes removes it",
+        )
 
     async def settled(self, request: p.Wait, root: RootConfig) -> p.WaitReply:
         """The reply to ``wait``, once the step settles or ``request.timeout`` passes."""

@@ -259,6 +259,10 @@ class LocalStorage:
         """See :func:`daemon.store._markers.read_outcome`."""
         return _markers.read_outcome(root, step, attempt)
 
+    def spanning_attempt(self, root: RootConfig, step: int) -> AttemptMarker | None:
+        """See :func:`daemon.store._markers.spanning_attempt`."""
+        return _markers.spanning_attempt(root, step)
+
     def claim(
         self, root: RootConfig, step: int, node: str, attempt: str, tmp: str | None = None
     ) -> None:

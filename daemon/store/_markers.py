@@ -30,7 +30,7 @@ from typing import Final, Literal, TypeVar
 
 import msgspec
 
-from orchestrator.protocol import ATTEMPT_MARKER, FileEntry
+from orchestrator.protocol import ATTEMPT_MARKER, AttemptMarker, FileEntry
 
 from ..config._config import RootConfig
 from ..ledger._saves import SaveRecord
@@ -51,6 +51,7 @@ __all__ = [
     "read_markers_in",
     "read_outcome",
     "read_verdict",
+    "spanning_attempt",
     "write_marker",
     "write_verdict",
 ]
@@ -338,3 +339,24 @@ def marker_for(save: SaveRecord, node: str, state: NodeState, reason: str = "") 
         reason=reason,
         written=now_iso(),
     )
+
+
+def spanning_attempt(root: RootConfig, step: int) -> AttemptMarker | None:
+    """The attempt marker of ``tmp_step_N`` if the directory holds node markers.
+
+    Node markers are written only by a save that spans nodes: such a directory belongs
+    to a multi-node attempt, live or left behind. None when there is no directory, no
+    attempt marker or no node marker.
+    """
+    tmp = root.tmp_dir(step)
+    try:
+        names = os.listdir(tmp)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if ATTEMPT_MARKER not in names or not any(is_marker_name(n) for n in names):
+        return None
+    try:
+        with open(os.path.join(tmp, ATTEMPT_MARKER), "rb") as fh:
+            return msgspec.json.decode(fh.read(65536), type=AttemptMarker)
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return None

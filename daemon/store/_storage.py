@@ -199,6 +199,10 @@ class Storage(Protocol):
         """An attempt's outcome as other nodes learn it: verdict or promoted step."""
         ...
 
+    def spanning_attempt(self, root: RootConfig, step: int) -> AttemptMarker | None:
+        """The attempt of ``tmp_step_N`` if other nodes' markers are in it."""
+        ...
+
     # Fences (daemon.store._fence).
 
     def claim(
