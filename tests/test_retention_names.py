@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from daemon.cli import main
-from daemon.config._config import RootConfig
+from daemon.config._config import RootConfig, load_config
 from tests.conftest import DaemonProcess
 from tests.test_retention import Start, configure, promote, settle, start_with
 
@@ -55,3 +55,44 @@ class TestGcPolicyReport:
         assert main(["gc", str(root), "--policy", "--socket", str(daemon.socket_path)]) == 0
         first = capsys.readouterr().out.splitlines()[0]
         assert first == f"{root}: policy keep_last=1", first
+
+
+class TestBestPointerNames:
+    """``best_pointer`` may not be a step's name or one of the daemon's own files."""
+
+    @pytest.mark.parametrize(
+        ("name", "extra", "message"),
+        [
+            ("step_3", "", "is a step's directory name"),
+            ("tmp_step_7", "", "is a step's directory name"),
+            ("ckpt-9", 'final_prefix = "ckpt-"\n', "is a step's directory name"),
+            (".ckptd-trash", "", "the daemon's own files"),
+            (".ckptd-layout.json", "", "the daemon's own files"),
+        ],
+    )
+    def test_refused(
+        self,
+        root: Path,
+        tmp_path: Path,
+        name: str,
+        extra: str,
+        message: str,
+        capsys: pytest.CaptureFixture[str],
+    ) -> None:
+        config = tmp_path / "ckptd.toml"
+        config.write_text(
+            f'[[roots]]\npath = "{root}"\n{extra}[roots.retention]\n'
+            f'keep_last = 1\nbest_pointer = "{name}"\n'
+        )
+        code = main(["serve", "--config", str(config), "--socket", str(tmp_path / "x.sock")])
+        assert code == 2
+        assert message in capsys.readouterr().err
+
+    def test_a_plain_name_is_fine(self, root: Path, tmp_path: Path) -> None:
+        config = tmp_path / "ckptd.toml"
+        config.write_text(
+            f'[[roots]]\npath = "{root}"\n[roots.retention]\nkeep_last = 1\nbest_pointer = "top"\n'
+        )
+        loaded = load_config(config_file=str(config))
+        (found,) = loaded.roots
+        assert found.retention is not None and found.retention.best_pointer == "top"

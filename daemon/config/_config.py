@@ -371,8 +371,12 @@ def _root(table: dict[str, Any], source: str | None) -> RootConfig:
             f"known: {sorted(options | {'path'})}"
         )
     if "retention" in extra:  # the [roots.retention] sub-table
+        prefixes = (
+            str(extra.get("tmp_prefix", "tmp_step_")),
+            str(extra.get("final_prefix", "step_")),
+        )
         extra["retention"] = parse_retention(
-            extra["retention"], path, str(extra.get("pointer", "latest"))
+            extra["retention"], path, str(extra.get("pointer", "latest")), prefixes
         )
     real = os.path.realpath(path)
     named = path if real != path else ""

@@ -100,13 +100,17 @@ def _int(value: Any, name: str, where: str, minimum: int) -> int:
     return value
 
 
-def parse_retention(table: Any, root: str, pointer: str) -> RetentionConfig:
+def parse_retention(
+    table: Any, root: str, pointer: str, prefixes: tuple[str, ...] = ("tmp_step_", "step_")
+) -> RetentionConfig:
     """Build a root's :class:`RetentionConfig` from its ``[roots.retention]`` table.
 
     Args:
         table: The table as TOML parsed it.
         root: The root's path (for messages).
         pointer: The root's ``latest`` pointer name (the best pointer must differ).
+        prefixes: The root's ``tmp_prefix`` and ``final_prefix``: the best pointer
+            must not be a name a step's directory could have.
 
     Raises:
         ConfigError: a key is unknown, missing or out of range; the message says how
@@ -143,6 +147,18 @@ def parse_retention(table: Any, root: str, pointer: str) -> RetentionConfig:
         or best_pointer in (".", "..")
     ):
         raise ConfigError(f"{where}: best_pointer {best_pointer!r} must be a plain name")
+    if best_pointer.startswith(".ckptd"):
+        raise ConfigError(
+            f"{where}: best_pointer {best_pointer!r}: names starting with '.ckptd' are the "
+            "daemon's own files; choose another"
+        )
+    for prefix in prefixes:
+        digits = best_pointer[len(prefix) :] if best_pointer.startswith(prefix) else ""
+        if digits.isdigit():
+            raise ConfigError(
+                f"{where}: best_pointer {best_pointer!r} is a step's directory name "
+                f"({prefix}N); choose another, such as 'best'"
+            )
     if best_pointer == pointer:
         raise ConfigError(
             f"{where}: best_pointer {best_pointer!r} is the root's pointer too; name it apart"
