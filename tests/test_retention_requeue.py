@@ -73,3 +73,31 @@ class TestRequeueKeepsRetention:
         report = settle(second, root)
         assert steps_on_disk(root) == [2], report
         assert not (root / ".ckptd-retention" / "step_1.json").exists()  # retired: forgotten
+
+
+def _write_dcp(directory: Path) -> None:
+    """A real, complete DCP checkpoint, saved by this one process."""
+    import torch
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    dcp_save({"w": torch.arange(8.0)}, checkpoint_id=str(directory), no_dist=True)
+
+
+class TestPinBeforeARescue:
+    """A failed step set aside in the trash may be pinned, and its rescue then stays."""
+
+    def test_pin_then_promote(self, start: Start, root: Path, tmp_path: Path) -> None:
+        daemon = start_with(start, configure(tmp_path, root, "keep_last = 1"))
+        promote(daemon, root, 2)
+        with LineClient(daemon.socket_path, timeout=TIMEOUT) as client:
+            ok(client.request("begin", root=str(root), step=1, rank=0, world_size=1))
+            _write_dcp(root / "tmp_step_1" / "model")  # it landed; the rank still failed
+            ok(client.request("fail", root=str(root), step=1, rank=0, reason="lost its upload"))
+            reply = ok(client.request("wait", root=str(root), step=1, timeout=TIMEOUT))
+            assert reply["state"] == "failed", reply
+            ok(client.request("pin", root=str(root), step=1))  # its files are in the trash
+            rescued = ok(client.request("promote", root=str(root), step=1))
+            assert rescued["state"] == "promoted", rescued
+        report = settle(daemon, root)
+        assert kept(report)[1] == ["pinned"], report
+        assert steps_on_disk(root) == [1, 2]

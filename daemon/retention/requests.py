@@ -184,6 +184,11 @@ async def _exists(daemon: Host, root: RootConfig, key: SaveKey, *, in_flight: bo
     lanes, storage = daemon.lanes, daemon.storage
     if await lanes.run(root.path, storage.promoted, root, key.step, abandon=True):
         return True
+    if in_flight and save is not None and save.state is p.SaveState.FAILED and save.set_aside:
+        # A failed attempt kept in the trash, which ``ckptd promote`` may rescue: a pin
+        # first keeps it once it is promoted.
+        if await lanes.run(root.path, storage.directory, save.set_aside, abandon=True):
+            return True
     return in_flight and await lanes.run(root.path, storage.writing, root, key.step, abandon=True)
 
 
