@@ -6,10 +6,13 @@ rank 1 never is. Every daemon is stopped within the lease (so no verdict is writ
 its state directory wiped, as a Slurm prolog or a k8s ``emptyDir`` does. Run 2, on fresh
 daemons, saves step 5 again. Its ranks name their run (``begin``'s ``run``); the old
 run's marker and files are never joined or counted, whatever order the ranks begin in.
+And once a node's ranks are done, only the leader decides: a follower's own save_timeout
+never fails the step (nor rewrites its done marker) while the leader has yet to.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import threading
@@ -130,3 +133,44 @@ class TestRequeueOnFreshDaemons:
             run_two_finishes(nodes, new, attempt)
         finally:
             new.close()
+
+
+class TestOnlyTheLeaderDecides:
+    """A follower whose ranks are done waits out its save_timeout for the leader's word."""
+
+    def test_a_followers_save_timeout_while_the_leader_gathers(
+        self, make_cluster: MakeCluster
+    ) -> None:
+        timeout = 4.0
+        nodes = make_cluster(2)
+        for node, save_timeout in zip(nodes, (NODE_TIMEOUT, timeout), strict=True):
+            settings = {"node_timeout": NODE_TIMEOUT, "save_timeout": save_timeout}
+            node.start_daemon([nodes.root], settings=settings)
+        job = Job(list(nodes), nodes.root, 2)
+        back = nodes.backing_root
+        try:
+            job.begin(7)
+            for rank in job.on(nodes[1]):
+                assert rank.save(7)["ok"]
+            marked(back, 7, nodes[1].name)
+            leaders = job.on(nodes[0])
+            files = [rank.write(7) for rank in leaders]
+            nodes[0].freeze()  # the leader cannot read the follower's marker yet
+            sent = []
+            try:
+                for rank, listed in zip(leaders, files, strict=True):
+                    thread = threading.Thread(target=rank.done, args=(7, listed))
+                    thread.start()
+                    sent.append(thread)
+                # Past the follower's save_timeout, while the leader still gathers.
+                answer = nodes[1].wait(nodes.root, 7, timeout + SETTLE)
+                assert answer["state"] == "pending", answer
+            finally:
+                nodes[0].thaw()
+            for thread in sent:
+                thread.join(30)
+            settles_everywhere(nodes, 7, "promoted")
+            inside = json.loads((back / "step_7" / f".ckptd-node-{nodes[1].name}.json").read_text())
+            assert inside["state"] == "done", inside  # never rewritten to failed
+        finally:
+            job.close()
