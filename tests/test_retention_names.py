@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -96,3 +97,30 @@ class TestBestPointerNames:
         loaded = load_config(config_file=str(config))
         (found,) = loaded.roots
         assert found.retention is not None and found.retention.best_pointer == "top"
+
+
+BEST_BY_LOSS = 'keep_last = 1\nkeep_best = { k = 1, metric = "loss", mode = "min" }'
+
+
+class TestAnEarlierBestPointer:
+    """A ``best`` pointer the policy no longer names is removed, not left to dangle."""
+
+    @pytest.mark.parametrize(
+        ("second", "left"),
+        [(f'{BEST_BY_LOSS}\nbest_pointer = "top"', "top"), ("keep_last = 1", None)],
+    )
+    def test_renamed_or_dropped(
+        self, start: Start, root: Path, tmp_path: Path, second: str, left: str | None
+    ) -> None:
+        daemon = start_with(start, configure(tmp_path, root, BEST_BY_LOSS))
+        promote(daemon, root, 1, metrics={"loss": 0.1})
+        promote(daemon, root, 2, metrics={"loss": 0.5})
+        settle(daemon, root)
+        assert os.readlink(root / "best") == "step_1"
+        daemon.stop()
+        again = start_with(start, configure(tmp_path, root, second), socket_name="d2.sock")
+        settle(again, root)
+        assert not os.path.lexists(root / "best")
+        if left is not None:
+            assert os.readlink(root / left) == "step_1"  # its metrics are on the root
+        assert os.readlink(root / "latest") == "step_2"

@@ -6,6 +6,8 @@
 - :mod:`.applier`: the daemon's side: a pass per root after each promotion, its
   filesystem work (finding checkpoints, the ``best`` pointer, retiring into the trash,
   ``training_info.json``) through the storage (:mod:`daemon.store._steps` on POSIX).
+- :mod:`.facts`: each step's pin, hold and metrics on the root, taken back by a daemon
+  that lost its state; the ``best`` pointer's name, so a renamed one is removed.
 - :mod:`.requests`: ``score``, ``pin``, ``unpin``, ``hold`` and ``retention``.
 
 The ``ckptd`` commands for them are :mod:`daemon.ops._retention_cmds`.

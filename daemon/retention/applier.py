@@ -43,6 +43,7 @@ from ..ledger._records import JournalRecord
 from ..store._steps import Found, ManifestCache
 from ..store._trash import TrashRemover
 from . import requests
+from .facts import RootFacts
 from .policy import StepFacts, Verdict, best_step, judge, retired
 from .state import RetentionState
 
@@ -59,7 +60,7 @@ def prunes_every_root(root: RootConfig, leader: str | None) -> bool:
     return True
 
 
-class Retention:
+class Retention(RootFacts):
     """Retention passes and requests for every configured root of ``daemon``.
 
     Args:
@@ -69,6 +70,8 @@ class Retention:
             not span nodes; "": it did, but no marker names rank 0). On a root shared
             by several nodes, only the leader's daemon may.
     """
+
+    _daemon: _Retaining
 
     def __init__(
         self,
@@ -204,6 +207,8 @@ class Retention:
             facts = self._facts(root, found, now)
             best = best_step(config.policy, facts)
             lanes, storage = self._daemon.lanes, self._daemon.storage
+            if apply and prunes:
+                await self._stale_best(root)
             named = storage.read_named_pointer
             on_disk = await lanes.run(root.path, named, root, config.best_pointer)
             if apply and prunes and best is not None and best != on_disk:
@@ -254,40 +259,6 @@ class Retention:
             await self._write_facts(root, key, f.attempt)
         if changed:
             await self._daemon.commit([])
-
-    async def _absorb(self, root: RootConfig, found: list[Found]) -> None:
-        """Take the pins, holds and metrics the root records that this state lacks.
-
-        What a daemon started on an empty state directory knows of the root's steps
-        comes from there (``daemon.store._facts``), before anything is judged.
-        """
-        daemon = self._daemon
-        facts = await daemon.lanes.run(root.path, daemon.storage.read_facts, root)
-        on_disk = {f.step: f.attempt for f in found if f.complete}
-        now = time.time()
-        changed = False
-        for step, fact in facts.items():
-            key = SaveKey(root.path, step)
-            changed = self.state.absorb(key, fact, on_disk.get(step), now) or changed
-        if changed:
-            await daemon.commit([])
-
-    def facts_lock(self, root: RootConfig) -> anyio.Lock:
-        """Held while a step's facts of ``root`` are taken from the state and written."""
-        return self._facts_locks.setdefault(root.path, anyio.Lock())
-
-    async def _write_facts(self, root: RootConfig, key: SaveKey, attempt: str) -> None:
-        """Record a step's facts on the root after they changed here (best effort)."""
-        daemon = self._daemon
-        try:
-            async with self.facts_lock(root):
-                facts = self.state.facts(key, attempt, time.time())
-                await daemon.lanes.run(root.path, daemon.storage.write_facts, root, facts)
-        except OSError as exc:
-            daemon.events.emit(
-                "retention.facts_failed", "warning", root=root.path, step=key.step,
-                error=exc.strerror or str(exc),
-            )  # fmt: skip
 
     def _unadopted(self, key: SaveKey, found: Found) -> bool:
         """Whether promoted ``key`` has metrics still to take (its files', its ``done``s')."""

@@ -20,13 +20,23 @@ import msgspec
 from ..config._config import RootConfig
 from ._durable import fsync_dir, write_atomic
 
-__all__ = ["FACTS_DIR", "StepRetention", "read_facts", "remove_facts", "write_facts"]
+__all__ = [
+    "FACTS_DIR",
+    "StepRetention",
+    "read_best_name",
+    "read_facts",
+    "remove_facts",
+    "write_best_name",
+    "write_facts",
+]
 
 FACTS_DIR: Final = ".ckptd-retention"
 """The directory of the root that holds retention's facts, one file a step."""
 
 _MAX_FACTS: Final = 1024 * 1024
 _SUFFIX: Final = ".json"
+_BEST: Final = "best-pointer"
+"""The file naming the ``best`` pointer the daemon last wrote (its ``best_pointer``)."""
 
 
 class StepRetention(msgspec.Struct, frozen=True, kw_only=True):
@@ -95,3 +105,30 @@ def remove_facts(root: RootConfig, step: int) -> None:
             raise
         return
     fsync_dir(os.path.join(root.path, FACTS_DIR))
+
+
+def read_best_name(root: RootConfig) -> str | None:
+    """The name of the ``best`` pointer last written into ``root``, if one was."""
+    try:
+        with open(os.path.join(root.path, FACTS_DIR, _BEST), "rb") as fh:
+            name = fh.read(4096).decode().strip()
+    except (OSError, UnicodeError):
+        return None
+    return name or None
+
+
+def write_best_name(root: RootConfig, name: str | None) -> None:
+    """Record ``name`` as the root's ``best`` pointer (None: it has none), durably."""
+    path = os.path.join(root.path, FACTS_DIR, _BEST)
+    if name is None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+        fsync_dir(os.path.dirname(path))
+        return
+    try:
+        os.mkdir(os.path.dirname(path), 0o755)
+    except FileExistsError:
+        pass
+    write_atomic(path, f"{name}\n".encode())

@@ -329,6 +329,18 @@ class LocalStorage:
         """See :func:`daemon.store._steps.training_info_metrics`."""
         return _steps.training_info_metrics(path)
 
+    def remove_pointer(self, root: RootConfig, name: str) -> bool:
+        """See :func:`daemon.store._steps.remove_pointer`."""
+        return _steps.remove_pointer(root, name)
+
+    def read_best_name(self, root: RootConfig) -> str | None:
+        """See :func:`daemon.store._facts.read_best_name`."""
+        return _facts.read_best_name(root)
+
+    def write_best_name(self, root: RootConfig, name: str | None) -> None:
+        """See :func:`daemon.store._facts.write_best_name`."""
+        _facts.write_best_name(root, name)
+
     def write_facts(self, root: RootConfig, facts: StepRetention) -> None:
         """See :func:`daemon.store._facts.write_facts`."""
         _facts.write_facts(root, facts)

@@ -38,6 +38,7 @@ __all__ = [
     "doomed_step",
     "leader_node",
     "read_named_pointer",
+    "remove_pointer",
     "retire",
     "scan",
     "training_info_metrics",
@@ -180,6 +181,22 @@ def leader_node(root: RootConfig, step: int) -> str | None:
 def read_named_pointer(root: RootConfig, name: str) -> int | None:
     """The step the pointer ``name`` (a symlink, or ``name.txt``) of ``root`` names."""
     return read_pointer(dataclasses.replace(root, pointer=name))
+
+
+def remove_pointer(root: RootConfig, name: str) -> bool:
+    """Remove the pointer ``name`` of ``root`` if it names a step; whether it did.
+
+    Only a pointer ckptd could have written goes: a symlink to ``step_N``, or
+    ``name.txt`` holding ``step_N``. Anything else of that name stays. Blocking I/O.
+    """
+    if read_named_pointer(root, name) is None:
+        return False
+    link = os.path.join(root.path, name)
+    for path in (link, f"{link}.txt"):
+        if os.path.islink(path) or (path.endswith(".txt") and os.path.isfile(path)):
+            os.unlink(path)
+    fsync_dir(root.path)
+    return True
 
 
 def write_pointer(root: RootConfig, name: str, step: int) -> None:

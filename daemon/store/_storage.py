@@ -279,6 +279,18 @@ class Storage(Protocol):
         """The metrics in a checkpoint's ``training_info.json``."""
         ...
 
+    def remove_pointer(self, root: RootConfig, name: str) -> bool:
+        """Remove a pointer the daemon wrote (one naming a step); whether it did."""
+        ...
+
+    def read_best_name(self, root: RootConfig) -> str | None:
+        """The name of the ``best`` pointer last written into the root."""
+        ...
+
+    def write_best_name(self, root: RootConfig, name: str | None) -> None:
+        """Record the root's ``best`` pointer name (None: it has none)."""
+        ...
+
     def write_facts(self, root: RootConfig, facts: StepRetention) -> None:
         """Record a step's pin, hold and metrics on the root, durably."""
         ...
