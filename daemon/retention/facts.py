@@ -33,10 +33,12 @@ class RootFacts:
         return self._facts_locks.setdefault(root.path, anyio.Lock())
 
     async def _absorb(self, root: RootConfig, found: list[Found]) -> None:
-        """Take the pins, holds and metrics the root records that this state lacks.
+        """Take what the root records of its steps' pins, holds and metrics, when newer.
 
         What a daemon started on an empty state directory knows of the root's steps
-        comes from there (``daemon.store._facts``), before anything is judged.
+        comes from there (``daemon.store._facts``), before anything is judged; a running
+        one learns there what another node's daemon was told
+        (:meth:`~daemon.retention.state.RetentionState.absorb`).
         """
         daemon = self._daemon
         facts = await daemon.lanes.run(root.path, daemon.storage.read_facts, root)
