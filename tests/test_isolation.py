@@ -32,6 +32,7 @@ from daemon.server._server import Daemon
 from daemon.store._lanes import Lane
 from daemon.store._local import LocalStorage
 from tests._fuse import BindMount, bindfs_mount
+from tests._nodes import wait_until
 from tests.conftest import DaemonProcess, LineClient
 
 TIMEOUT = 15.0
@@ -514,6 +515,10 @@ class TestLane:
                     gate.set()
             assert sorted(results) == [0, 1, 2, 3]
             assert inside[1] == 2
+            # The abandoned call returns in its thread and ends on the loop in its own
+            # time, not before its callers' calls: wait for that, then the lane is idle.
+            idle = partial(wait_until, lambda: lane.running == 0, TIMEOUT, "the lane idle")
+            await anyio.to_thread.run_sync(idle)
             assert (lane.running, lane.queued) == (0, 0)
 
         anyio.run(main)
