@@ -162,6 +162,11 @@ class Metrics(Collector):
         self.promoted_bytes = Counter(
             "ckptd_promoted_bytes", "Bytes of the checkpoints promoted.", ["root"], registry=reg
         )
+        for root in daemon.config.roots:
+            # A series from the start, at 0: an alert on no promotion for an hour
+            # (CkptdSavesStuck) then fires for a root that never promoted at all.
+            self.promotions.labels(root=root.path)
+            self.promoted_bytes.labels(root=root.path)
         self.promotion_duration = Histogram(
             "ckptd_promotion_duration_seconds",
             "Time to verify, fsync, rename and move the pointer of one checkpoint.",
