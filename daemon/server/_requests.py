@@ -249,9 +249,12 @@ class Requests:
         That is a node that lost ``LOCAL_WORLD_SIZE``: say so, unless the directory is
         another run's (a requeued job may save on fewer nodes).
         """
-        found = await self.lanes.run(
-            root.path, self.storage.spanning_attempt, root, request.step, abandon=True
-        )
+        if root.path in self._local:  # one listdir of a local tmp_step_N, if any: inline
+            found = self.storage.spanning_attempt(root, request.step)
+        else:
+            found = await self.lanes.run(
+                root.path, self.storage.spanning_attempt, root, request.step, abandon=True
+            )
         if found is None or (request.run and found.run and found.run != request.run):
             return
         raise RequestError(
