@@ -13,6 +13,14 @@ all (the daemon never admitted the rank, so a ``fail`` would land on whichever s
 holds the step). After a reconnect, the open saves' begins are re-sent with their
 attempt before everything else that was not acknowledged.
 
+A save's record is not forgotten when its ``done`` (or ``fail``) is acknowledged: the
+last :data:`KEEP_SETTLED` of them are kept, and after a reconnect each is re-sent too, a
+``begin`` naming its attempt and then, unless the daemon answers that the step is
+already promoted or refuses it, the ``done`` again. A daemon with its journal already
+knows them (both are idempotent); one that restarted on an empty state directory (a
+requeue's prolog, a pod's emptyDir) learns every rank's part of the saves in flight
+from the ranks themselves, as the root is the truth for everything else.
+
 Replies are read as lines of at most ``max_reply`` bytes; a longer one fails only the
 call it answers (its id is read from the line's head) and the connection lives on.
 """
@@ -34,7 +42,7 @@ from ._errors import DaemonError
 from ._layout import Layouts
 from ._wire import Barrier, Outgoing, ReplyLines, SaveRecord, TooLong, reply_id
 
-__all__ = ["Channel"]
+__all__ = ["KEEP_SETTLED", "Channel"]
 
 log = logging.getLogger("orchestrator")
 
@@ -42,6 +50,11 @@ _MAX_UNACKED: Final = 100_000
 _RETRY_UNAVAILABLE: Final = 0.5
 _BACKOFF_START: Final = 0.05
 _CHUNK: Final = 1 << 16
+KEEP_SETTLED: Final = 16
+"""Saves whose ``done``/``fail`` was acknowledged that are re-sent after a reconnect.
+
+A rank has one or two saves in flight at a time; sixteen covers any save still being
+verified or promoted, with room for a daemon that is slow to settle them."""
 
 
 class Channel:
@@ -69,6 +82,8 @@ class Channel:
         self._unacked: dict[int, Outgoing] = {}
         self._saves: dict[tuple[str, int, int], SaveRecord] = {}  # re-sent after reconnects
         self._refused: dict[tuple[str, int, int], SaveRecord] = {}  # until begun again
+        # Ended here, maybe not settled there: re-sent after reconnects (oldest first out).
+        self._settled: dict[tuple[str, int, int], SaveRecord] = {}
         self._writer: asyncio.StreamWriter | None = None
         self._warned = False
         self._outbox: queue.SimpleQueue[Outgoing | Barrier | None] = queue.SimpleQueue()
@@ -170,6 +185,7 @@ class Channel:
                 # by the caller, so a begin still on its way here is never sent twice.)
                 self._saves[record.key] = record
                 self._refused.pop(record.key, None)
+                self._settled.pop(record.key, None)
             elif isinstance(message, p.Done | p.Fail):
                 if record is None:  # a bare done/fail: the key's latest begin
                     key = (message.root, message.step, message.rank)
@@ -243,6 +259,14 @@ class Channel:
         # Saves in flight first, so a restarted daemon learns of them before their done.
         queued = {id(o.record) for o in self._unacked.values() if isinstance(o.message, p.Begin)}
         written: set[int] = set()
+        for key, record in list(self._settled.items()):
+            # Its done/fail goes once the begin is answered (unless already promoted).
+            del self._settled[key]
+            if key in self._saves or record.settled is None:
+                continue  # begun again since: that save is the one to re-send
+            record.answer, record.replayed = "pending", True
+            record.held = [Outgoing(record.settled.message, None, record)]
+            self._saves[key] = record
         for record in list(self._saves.values()):
             if id(record) in queued:
                 continue
@@ -326,7 +350,7 @@ class Channel:
             return
         del self._unacked[rid]
         if isinstance(message, p.Begin | p.Done | p.Fail):
-            if not ok:
+            if not ok and not (record is not None and record.replayed):
                 log.warning(
                     "ckptd refused %s for step %s of %s (%s): %s; it will not be promoted",
                     type(message).__name__.lower(),
@@ -336,16 +360,31 @@ class Channel:
                     error.get("message"),
                 )
             if record is not None and (not ok or not isinstance(message, p.Begin)):
-                # Settled, or refused: nothing left to re-send after a reconnect.
+                # Ended, or refused: no longer open. An ended one is kept among the recent.
                 if self._saves.get(record.key) is record:
                     del self._saves[record.key]
+                    if ok:
+                        self._keep_settled(record, outgoing)
             if isinstance(message, p.Begin) and record is not None:
                 self._answered(record, message, reply)
         if outgoing.future is not None and not outgoing.future.done():
             outgoing.future.set_result(reply)
         self._wake_drained()
 
+    def _keep_settled(self, record: SaveRecord, outgoing: Outgoing) -> None:
+        record.settled, record.replayed = outgoing, False
+        self._settled.pop(record.key, None)
+        self._settled[record.key] = record
+        while len(self._settled) > KEEP_SETTLED:
+            del self._settled[next(iter(self._settled))]
+
     def _answered(self, record: SaveRecord, begin: p.Begin, reply: dict[str, Any]) -> None:
+        if record.replayed and (not reply.get("ok") or reply.get("state") == "promoted"):
+            # The daemon knows this save settled (or will never take it): nothing to add.
+            record.answer, record.held = "refused", []
+            if self._saves.get(record.key) is record:
+                del self._saves[record.key]
+            return
         if reply.get("ok"):
             record.answer = "acknowledged"
             attempt = reply.get("attempt")

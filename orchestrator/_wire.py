@@ -43,6 +43,11 @@ class SaveRecord:
             from a daemon that predates attempts).
         held: The save's ``done``/``fail``, waiting for the ``begin`` to be answered.
         run: The run the ``begin`` named; every re-sent ``begin`` names it too.
+        settled: The acknowledged ``done`` or ``fail`` that ended this rank's part,
+            kept (with the record) among the client's recent saves, so that a daemon
+            that restarts without its state directory learns it again.
+        replayed: Re-sent after a reconnect although this rank's part had ended: a
+            refusal or a promoted answer then only means the daemon already knew.
     """
 
     root: str
@@ -54,6 +59,8 @@ class SaveRecord:
     run: str | None = None
     attempt: str | None = None
     held: list[Outgoing] = field(default_factory=list)
+    settled: Outgoing | None = None
+    replayed: bool = False
 
     @property
     def key(self) -> tuple[str, int, int]:

@@ -127,6 +127,7 @@ class Ledger(Deadlines, SpanningLedger, Outcomes):
         fresh: str = "",
         local_world_size: int | None = None,
         run: str | None = None,
+        age_s: float = 0.0,
     ) -> list[Effect]:
         """A rank announces it is about to write the step.
 
@@ -151,6 +152,9 @@ class Ledger(Deadlines, SpanningLedger, Outcomes):
                 another run than the step's never joins its attempt: after a failure
                 it starts the step over, while the other run's attempt is open it is
                 refused (``run_conflict``).
+            age_s: How long ago the attempt began, if this begin starts the ledger's
+                record of an attempt that began before (one found on the root): its
+                ``save_timeout`` counts from then.
 
         Raises:
             RequestError: rank out of range, world size mismatch, a stale attempt, the
@@ -187,11 +191,12 @@ class Ledger(Deadlines, SpanningLedger, Outcomes):
             )
             save = None  # the failed attempt stays in history until it is pruned
         if save is None:
-            deadline = None if self._save_timeout is None else now + self._save_timeout
+            began = now - age_s
+            deadline = None if self._save_timeout is None else began + self._save_timeout
             save = SaveRecord(
                 key=key,
                 world_size=world_size,
-                first_begin=now,
+                first_begin=began,
                 deadline=deadline,
                 attempt=fresh,
                 run=run or "",

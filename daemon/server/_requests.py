@@ -34,6 +34,7 @@ from ..store._storage import Storage
 from ..store._trash import TrashRemover
 from ._collect import collect
 from ._owners import AttemptDirs
+from ._rejoin import rejoin
 
 __all__ = ["VERSION", "Requests"]
 
@@ -177,8 +178,31 @@ class Requests:
                     "checkpoint.gone", "warning", root=root.path, step=key.step, path=final
                 )
                 known = self.ledger.get(key)
-        fresh = new_attempt_id()
-        if known is None or self.ledger.starts_new_attempt(
+        fresh, age = new_attempt_id(), 0.0
+        found = None
+        if known is None and (request.attempt or request.run):
+            # A step this daemon does not know (it may have started on an empty state
+            # directory): the root says whether the run's attempt is there to take over.
+            if root.path in self._local:
+                found = rejoin(self.storage, root, request)
+            else:
+                found = await self.lanes.run(
+                    root.path, rejoin, self.storage, root, request, abandon=True
+                )
+        if found is not None:
+            if found.promoted:
+                return p.BeginReply(
+                    id=request.id,
+                    path=root.tmp_dir(key.step),
+                    state=p.SaveState.PROMOTED,
+                    attempt=found.attempt,
+                )
+            fresh, age = found.attempt, found.age_s
+            await self._admit(root, key)
+            lws = request.local_world_size
+            if lws is None or lws >= request.world_size:
+                await self._single_node(root, request)
+        elif known is None or self.ledger.starts_new_attempt(
             key, conn, resent=request.resent, attempt=request.attempt, run=request.run
         ):
             await self._admit(root, key)
@@ -200,6 +224,7 @@ class Requests:
             fresh=fresh,
             local_world_size=request.local_world_size,
             run=request.run,
+            age_s=age,
         )
         save = self.ledger.get(key)
         assert save is not None

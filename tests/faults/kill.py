@@ -24,7 +24,9 @@ restart must find nothing left to do.
 
 from __future__ import annotations
 
+import contextlib
 import random
+import shutil
 import signal
 import subprocess
 import time
@@ -45,13 +47,23 @@ __all__ = ["run_kill_campaign"]
 
 _WORLD = 2
 _NUMEL = 256
+_RESEND_S = 15.0
+"""Seconds a stateless run gives the ranks to reconnect and re-send their saves."""
 
 
 class _Campaign:
     """State carried across the daemon runs of one kill campaign."""
 
-    def __init__(self, workdir: Path, rng: random.Random, progress: Callable[[str], None]):
+    def __init__(
+        self,
+        workdir: Path,
+        rng: random.Random,
+        progress: Callable[[str], None],
+        *,
+        stateless: bool = False,
+    ):
         self.workdir = workdir
+        self.stateless = stateless
         self.root = workdir / "run"
         self.root.mkdir()
         self.rng = rng
@@ -68,11 +80,17 @@ class _Campaign:
         self.mid_promotion = 0
         self.before_ready = 0
         self.resumed = 0
+        self.acked: set[tuple[int, int, str]] = set()
+        self.settled: set[int] = set()
 
     # -- daemon runs -----------------------------------------------------------------
 
     def launch(self, env: dict[str, str]) -> FaultDaemon:
         self.runs += 1
+        state = self.workdir / "state"
+        if self.stateless and state.exists():
+            # A requeue's prolog, or a pod's emptyDir: the next run knows only the root.
+            shutil.rmtree(state)
         daemon = FaultDaemon(
             self.workdir / "d.sock", [self.root], state_dir=self.workdir / "state", env=env
         )
@@ -119,31 +137,53 @@ class _Campaign:
     # -- checks ------------------------------------------------------------------------
 
     def check_acknowledged(self, daemon: FaultDaemon, ranks: Ranks) -> None:
-        """Every begin and done the ranks saw acknowledged is in the daemon's state."""
+        """Every begin and done the ranks saw acknowledged is in the daemon's state.
+
+        Stateless runs start on an empty state directory: there the daemon learns the
+        saves in flight again from the root and from the ranks, which re-send them once
+        they have reconnected, so the check waits (bounded) for that to happen.
+        """
         log = ranks.drain()
-        acked: set[tuple[int, int, str]] = set()
-        for line in log:
-            if line.get("event") == "begun" and line["acked"]:
-                acked.add((line["step"], line["rank"], "begin"))
-            elif line.get("event") == "acked" and line["code"] is None:
-                acked.add((line["step"], line["rank"], line["op"]))
+        self.acked.update(
+            (line["step"], line["rank"], "begin")
+            for line in log
+            if line.get("event") == "begun" and line["acked"]
+        )
+        self.acked.update(
+            (line["step"], line["rank"], line["op"])
+            for line in log
+            if line.get("event") == "acked" and line["code"] is None
+        )
+        deadline = time.monotonic() + (_RESEND_S if self.stateless else 0)
+        while True:
+            lost = self._lost(daemon)
+            if not lost or time.monotonic() >= deadline:
+                break
+            with contextlib.suppress(AssertionError):  # a re-sent begin, or time passes
+                daemon.wait_event("save.begun", timeout=0.2)
+        self.result.violations.extend(lost)
+
+    def _lost(self, daemon: FaultDaemon) -> list[str]:
         saves = {s["step"]: s for s in daemon.request("status", root=str(self.root))["saves"]}
         on_disk = step_dirs(self.root, "step_")
-        for step, rank, op in sorted(acked):
+        lost = []
+        for step, rank, op in sorted(self.acked):
             save = saves.get(step)
             if save is None:
-                if step not in on_disk:  # settled saves beyond the history are on disk
-                    self.violate(f"acknowledged {op} of step {step} rank {rank} lost")
+                if step not in on_disk | self.settled | self.failed.keys():
+                    lost.append(f"acknowledged {op} of step {step} rank {rank} lost")
                 continue
             if save["state"] in ("promoted", "failed"):
+                self.settled.add(step)
                 continue  # failures are checked at the end, with their reasons
             states = {r["rank"]: r["state"] for r in save["ranks"]}
             want = ("done",) if op == "done" else ("writing", "done")
             if states.get(rank) not in want:
-                self.violate(
+                lost.append(
                     f"acknowledged {op} of step {step} rank {rank} lost: "
                     f"save is {save['state']}, rank is {states.get(rank)}"
                 )
+        return lost
 
     def check_loads(self) -> None:
         """``dcp.load`` of each new ``step_N`` gives back exactly what each rank saved."""
@@ -202,6 +242,7 @@ def run_kill_campaign(
     max_delay: float = 1.0,
     train_s: float = 0.05,
     progress: Callable[[str], None] = lambda _m: None,
+    stateless: bool = False,
 ) -> Result:
     """Kill and restart the daemon ``trials`` times under a streaming 2-rank DCP job.
 
@@ -212,9 +253,11 @@ def run_kill_campaign(
         max_delay: Longest random instant after ``daemon.ready``, in seconds.
         train_s: Time each rank "trains" between two saves.
         progress: Called with a line of progress now and then.
+        stateless: Start every daemon run on an empty state directory (a Slurm
+            prolog's, a pod's emptyDir): only the root and the ranks carry the facts.
     """
     started = time.monotonic()
-    c = _Campaign(workdir, random.Random(seed), progress)
+    c = _Campaign(workdir, random.Random(seed), progress, stateless=stateless)
     stop = workdir / "stop"
     kind, env = "random", dict[str, str]()
     daemon = c.launch(env)
