@@ -168,6 +168,10 @@ class LocalStorage:
         """See :meth:`daemon.store._storage.Storage.promoted`."""
         return os.path.isdir(root.final_dir(step))
 
+    def promoted_durably(self, root: RootConfig, step: int) -> bool:
+        """See :func:`daemon.store._steps.promoted_durably`."""
+        return _steps.promoted_durably(root, step)
+
     def writing(self, root: RootConfig, step: int) -> bool:
         """See :meth:`daemon.store._storage.Storage.writing`."""
         return os.path.isdir(root.tmp_dir(step))

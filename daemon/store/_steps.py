@@ -39,6 +39,7 @@ __all__ = [
     "ManifestCache",
     "doomed_step",
     "leader_node",
+    "promoted_durably",
     "read_named_pointer",
     "remove_pointer",
     "retire",
@@ -163,6 +164,29 @@ def _when(created: str, fallback: float) -> float:
         return datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp()
     except ValueError:
         return fallback
+
+
+def promoted_durably(root: RootConfig, step: int) -> bool:
+    """Whether ``step_N`` is a checkpoint of ``root``'s step N, durably. Blocking I/O.
+
+    For a node with no save of the step, which cannot know how its ``step_N`` came to
+    be (another node's daemon renamed it on a shared root; an earlier run, whose state
+    is gone, promoted it): it holds the manifest a promotion writes and fsyncs before
+    its rename, naming this root and step, and the root is fsynced here and now, so
+    that the rename (another daemon's, perhaps not yet flushed) survives a crash from
+    here on. A directory made by hand, or a copy of another step, is not one.
+    """
+    try:
+        head = _read_head(os.path.join(root.final_dir(step), MANIFEST_NAME))
+    except (OSError, msgspec.DecodeError):
+        return False
+    if head.step != step or head.root not in (root.path, root.real, root.named):
+        return False
+    try:
+        fsync_dir(root.path)
+    except OSError:
+        return False  # not known durable: not promoted yet, as far as this node can say
+    return True
 
 
 def leader_node(root: RootConfig, step: int) -> str | None:

@@ -99,6 +99,14 @@ class Storage(Protocol):
         """Whether ``step`` of ``root`` is a promoted checkpoint (``step_N`` exists)."""
         ...
 
+    def promoted_durably(self, root: RootConfig, step: int) -> bool:
+        """Whether ``step_N`` is a promotion of this root's step N, known durable.
+
+        Its manifest names this root and step, and the root is fsynced now: for a node
+        with no save of the step, whose rename may be another daemon's.
+        """
+        ...
+
     def writing(self, root: RootConfig, step: int) -> bool:
         """Whether ``step`` of ``root`` has a save directory (``tmp_step_N`` exists)."""
         ...
