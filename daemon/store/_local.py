@@ -315,6 +315,10 @@ class LocalStorage:
         """See :func:`daemon.store._steps.leader_node`."""
         return _steps.leader_node(root, step)
 
+    def free_space(self, root: RootConfig) -> tuple[int, int]:
+        """See :func:`daemon.store._steps.free_space`."""
+        return _steps.free_space(root)
+
     def read_named_pointer(self, root: RootConfig, name: str) -> int | None:
         """See :func:`daemon.store._steps.read_named_pointer`."""
         return _steps.read_named_pointer(root, name)

@@ -38,6 +38,7 @@ __all__ = [
     "Found",
     "ManifestCache",
     "doomed_step",
+    "free_space",
     "leader_node",
     "promoted_durably",
     "read_named_pointer",
@@ -294,6 +295,16 @@ def retire(root: RootConfig, steps: Iterable[int]) -> tuple[dict[int, str], dict
     if moved:
         _gc.sync_doomed(root)
     return moved, refused
+
+
+def free_space(root: RootConfig) -> tuple[int, int]:
+    """Bytes of ``root``'s filesystem available to the daemon, and its size. Blocking I/O.
+
+    Raises:
+        OSError: it cannot be stat'ed.
+    """
+    st = os.statvfs(root.path)
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
 
 
 def doomed_step(root: RootConfig, entry: str) -> int | None:

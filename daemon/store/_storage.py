@@ -269,6 +269,10 @@ class Storage(Protocol):
         """The node that led a promoted step, from its markers."""
         ...
 
+    def free_space(self, root: RootConfig) -> tuple[int, int]:
+        """Bytes of the root's filesystem available to the daemon, and its size."""
+        ...
+
     def read_named_pointer(self, root: RootConfig, name: str) -> int | None:
         """The step a named pointer (``best``) names, if any."""
         ...
