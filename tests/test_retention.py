@@ -429,6 +429,8 @@ class TestNotOurs:
         }
         assert steps_on_disk(root) == [1, 4, 5, 7]
         assert main(["verify", str(root / "step_1")]) == 0  # still a whole checkpoint
+        # Events reach stdout a moment after they happen: up to step 3's retirement.
+        daemon.wait_event("checkpoint.retired", TIMEOUT, of(root, 3))
         retired = [e["step"] for e in daemon.drain() if e["event"] == "checkpoint.retired"]
         assert sorted(retired) == [1, 2, 3]  # step 1 once, before its backup came back
 

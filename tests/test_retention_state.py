@@ -200,7 +200,11 @@ class TestScan:
                 dirs=["."],
                 dcp_dirs=[],
             )
-            (final / MANIFEST_NAME).write_bytes(msgspec.json.encode(manifest))
+            data = msgspec.json.encode(manifest)
+            if not recorded:  # as written before manifests had the field at all
+                data = data.replace(b'"origin":null,', b"")
+                assert b"origin" not in data
+            (final / MANIFEST_NAME).write_bytes(data)
         cache: ManifestCache = {}
         assert [f.complete for f in scan(root, cache)] == [True, True, True]
         for step in (1, 3):  # backed up, deleted, restored where it was
