@@ -100,6 +100,10 @@ class _NoStalls:
         return []
 
 
+class _NoPasses:
+    passes: dict[str, Any] = {}
+
+
 class _Host:
     """What the gauges read, without a running daemon: a config and a full ledger."""
 
@@ -110,6 +114,7 @@ class _Host:
         self.journal = None
         self.waits = 0
         self.retiring: dict[str, Any] = {}
+        self.retention = _NoPasses()
 
 
 def _in_process(events_n: int) -> tuple[list[Row], dict[str, Any]]:

@@ -33,7 +33,7 @@ def run(
 
 def ckptd_metric_names() -> set[str]:
     """Every ckptd_* family the daemon's code defines (with the suffixes Prometheus sees)."""
-    text = (REPO / "daemon" / "ops" / "_metrics.py").read_text()
+    text = "".join(p.read_text() for p in sorted((REPO / "daemon" / "ops").glob("*metrics.py")))
     names = set()
     for kind, name in re.findall(
         r'(Counter|Histogram|Gauge|GaugeMetricFamily)\(\s*"(ckptd_\w+)"', text

@@ -116,6 +116,35 @@ class TestLeader:
         assert isinstance(failed, NodeFailed) and "node b: oom" in failed.reason
 
 
+class TestLeaderTimeout:
+    """A leader's save that times out says what was outstanding, never an empty rank list."""
+
+    def test_every_rank_done_but_the_leaders_marker_not_durable(self) -> None:
+        ledger = Ledger(lease=5.0, save_timeout=30.0, node_timeout=60.0)
+        for rank in range(2):
+            ledger.begin(KEY, rank, 4, rank + 1, 0.0, fresh="att", local_world_size=2)
+        for rank in range(2):
+            ledger.done(KEY, rank, [FileEntry(f"r{rank}", 1)], rank + 1, 1.0)
+        ledger.remote_done(KEY, "b", "att", 2, _files(2, 3), 2.0)
+        save = ledger.get(KEY)
+        assert save is not None and save.missing_ranks() == [] and not save.marked
+        (failed,) = ledger.tick(30.0)  # its node marker's write never returned
+        assert isinstance(failed, NodeFailed) and failed.leader
+        assert failed.reason == (
+            "timed out after 30.0s; every rank is done, but this node's marker "
+            "(the leader's) was not yet durable"
+        )
+
+    def test_missing_ranks_are_still_listed(self) -> None:
+        ledger = Ledger(lease=5.0, save_timeout=30.0, node_timeout=60.0)
+        for rank in range(2):
+            ledger.begin(KEY, rank, 4, rank + 1, 0.0, fresh="att", local_world_size=2)
+        ledger.done(KEY, 0, [FileEntry("r0", 1)], 1, 1.0)
+        (failed,) = ledger.tick(30.0)
+        assert isinstance(failed, NodeFailed)
+        assert failed.reason == "timed out after 30.0s; ranks not done: 1-3"
+
+
 class TestOtherNodes:
     """A node that does not lead learns the outcome; it never sets the shared directory aside."""
 

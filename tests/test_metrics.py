@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 import urllib.request
 from collections.abc import Callable
@@ -12,9 +13,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.ops._metrics import FAILURE_REASONS, failure_reason
+from daemon.ops._retention_metrics import KEPT_REASONS
 from daemon.server._server import VERSION
 from tests._fuse import bindfs_mount
 from tests.conftest import DaemonProcess, LineClient
+from tests.test_retention import promote, settle
+from tests.test_server import of
 
 TIMEOUT = 15.0
 Start = Callable[..., DaemonProcess]
@@ -213,3 +217,51 @@ class TestTextfile:
         daemon.wait_event("metrics.textfile_recovered", TIMEOUT)
         assert prom.exists()
         assert daemon.stop() == 0
+
+
+class TestRetention:
+    """Retention's counters, and its last pass's gauges, from a real daemon's passes."""
+
+    def test_retired_kept_and_errors(self, start: Start, root: Path, tmp_path: Path) -> None:
+        cfg = tmp_path / "c.toml"
+        cfg.write_text(
+            f'metrics_listen = "127.0.0.1:0"\n[[roots]]\npath = "{root}"\n'
+            "[roots.retention]\nkeep_last = 2\n"
+        )
+        daemon = start([], "--config", str(cfg))
+        port = metrics_port(daemon)
+        r = (("root", str(root)),)
+        _, before = scrape(port)  # at 0 from the start: "nothing retired" can fire
+        assert before[("ckptd_retention_retired_total", r)] == 0
+        assert before[("ckptd_retention_errors_total", r)] == 0
+        for step in (1, 2, 3):
+            promote(daemon, root, step)
+        daemon.wait_event("checkpoint.deleted", TIMEOUT, of(root, 1))
+        settle(daemon, root)  # a pass whose report the scrape reads
+        _, after = scrape(port)
+        assert after[("ckptd_retention_retired_total", r)] == 1
+        # The 2 ranks' 400 bytes of files, and the daemon's own (manifest, markers).
+        assert after[("ckptd_retention_deleted_bytes_total", r)] > 400
+        assert after[("ckptd_retention_checkpoints", r)] == 2
+        kept = {
+            dict(labels)["reason"]: value
+            for (name, labels), value in after.items()
+            if name == "ckptd_retention_kept"
+        }
+        assert kept == {**dict.fromkeys(KEPT_REASONS, 0), "newest": 1, "latest": 1, "keep_last": 2}
+        assert after[("ckptd_retention_prunes", r)] == 1
+        assert abs(after[("ckptd_retention_last_pass_timestamp_seconds", r)] - time.time()) < 60
+        avail = after[("ckptd_root_filesystem_avail_bytes", r)]
+        assert 0 < avail <= after[("ckptd_root_filesystem_size_bytes", r)]
+        # The trash cannot be made (a file where its directory goes): the next pass that
+        # would retire a step fails.
+        shutil.rmtree(root / ".ckptd-trash")
+        (root / ".ckptd-trash").write_text("in the way")
+        promote(daemon, root, 4)
+        daemon.wait_event("retention.failed", TIMEOUT, lambda e: e["root"] == str(root))
+        _, failed = scrape(port)
+        assert failed[("ckptd_retention_errors_total", r)] == 1
+        assert failed[("ckptd_retention_retired_total", r)] == 1
+        for name, labels in failed:
+            if name.startswith("ckptd_"):
+                assert {k for k, _ in labels} <= BOUNDED_LABELS, (name, labels)

@@ -17,7 +17,7 @@ from daemon.cli import main
 from daemon.config._types import check_types
 from daemon.server._server import VERSION
 from tests._fuse import bindfs_mount
-from tests._system import require_root
+from tests._system import in_ci, require_root, require_tool
 from tests.conftest import REPO, DaemonProcess, LineClient
 
 TIMEOUT = 15.0
@@ -216,6 +216,43 @@ class TestHealth:
                 assert main(["health", "--socket", sock]) == 0  # the queued change is written
                 assert client.request("done", **at, files=files)["ok"] is True
             assert daemon.stop() == 0
+        finally:
+            subprocess.run(["umount", "-l", str(state)], check=False)
+
+    def test_state_disk_the_kernel_made_read_only_is_unhealthy(
+        self, start: Start, short_dir: Path, root: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        require_root("mounting an ext4 image as the state directory")
+        mkfs = require_tool("mkfs.ext4", "e2fsprogs")
+        image, state = short_dir / "state.img", short_dir / "state"
+        state.mkdir()
+        with image.open("wb") as fh:
+            fh.truncate(16 * 1024 * 1024)
+        subprocess.run([mkfs, "-q", "-F", str(image)], check=True, capture_output=True)
+        mounted = subprocess.run(
+            ["mount", "-o", "loop,errors=remount-ro", str(image), str(state)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if mounted.returncode != 0:
+            reason = f"no loop device to mount an ext4 image: {mounted.stderr.strip()}"
+            if in_ci():
+                pytest.fail(reason)
+            pytest.skip(reason)
+        try:
+            daemon = start([root], "--state-dir", str(state))
+            sock = str(daemon.socket_path)
+            assert main(["health", "--socket", sock]) == 0
+            # What ext4 does on an I/O error under errors=remount-ro (the journal is
+            # aborted): every write now fails with EROFS, yet statvfs shows no ST_RDONLY,
+            # access(W_OK) still succeeds, and the daemon holds its journal open.
+            subprocess.run(["mount", "-o", "remount,abort", str(state)], check=True)
+            assert not os.statvfs(state).f_flag & os.ST_RDONLY
+            assert main(["health", "--socket", sock]) == 1
+            err = capsys.readouterr().err
+            assert "unhealthy: the state directory cannot be written: " in err
+            assert "Read-only file system" in err
         finally:
             subprocess.run(["umount", "-l", str(state)], check=False)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -399,6 +400,39 @@ class TestNotOurs:
         }
         assert steps_on_disk(root) == [1, 2, 3, 12]
         assert (root / "step_1" / "weights.bin").read_bytes() == b"x"
+
+    def test_a_step_restored_from_a_backup_stays(
+        self, start: Start, root: Path, tmp_path: Path
+    ) -> None:
+        backup = tmp_path / "backup"
+        backup.mkdir()
+        daemon = start_with(start, configure(tmp_path, root, "keep_last = 2"))
+        promote(daemon, root, 1)
+        promote(daemon, root, 2)
+        # An operator's backup of a promoted checkpoint, manifest and all.
+        subprocess.run(["cp", "-a", str(root / "step_1"), str(backup)], check=True)
+        promote(daemon, root, 3)
+        daemon.wait_event("checkpoint.deleted", TIMEOUT, of(root, 1))
+        assert steps_on_disk(root) == [2, 3]
+        # Restored: as itself, beside newer steps, and under another step's name.
+        subprocess.run(["cp", "-a", str(backup / "step_1"), str(root / "step_1")], check=True)
+        subprocess.run(["cp", "-a", str(backup / "step_1"), str(root / "step_7")], check=True)
+        promote(daemon, root, 4)
+        promote(daemon, root, 5)
+        report = settle(daemon, root)
+        kept = {s["step"]: s["kept"] for s in report["steps"]}
+        assert kept == {
+            1: ["incomplete"],
+            5: ["newest", "latest", "last-2"],
+            4: ["last-2"],
+            7: ["incomplete"],
+        }
+        assert steps_on_disk(root) == [1, 4, 5, 7]
+        assert main(["verify", str(root / "step_1")]) == 0  # still a whole checkpoint
+        # Events reach stdout a moment after they happen: up to step 3's retirement.
+        daemon.wait_event("checkpoint.retired", TIMEOUT, of(root, 3))
+        retired = [e["step"] for e in daemon.drain() if e["event"] == "checkpoint.retired"]
+        assert sorted(retired) == [1, 2, 3]  # step 1 once, before its backup came back
 
 
 class TestSharedRoot:

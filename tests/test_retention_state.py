@@ -169,3 +169,55 @@ class TestScan:
         ]
         assert found[1].promoted_at == 1796119200.0
         assert scan(root, cache) == found  # from the cache: stat only
+
+    @pytest.mark.parametrize("files", [0, 5000], ids=["small", "large"])
+    def test_a_copy_is_not_the_checkpoint(self, tmp_path: Path, files: int) -> None:
+        import shutil
+        import subprocess
+
+        import msgspec
+
+        from daemon.config._config import RootConfig
+        from daemon.store._origin import origin
+        from daemon.store._steps import ManifestCache, scan
+        from daemon.store._verify import MANIFEST_NAME, Manifest
+
+        root_dir, backup = tmp_path / "run", tmp_path / "backup"
+        root_dir.mkdir()
+        backup.mkdir()
+        root = RootConfig(path=str(root_dir), real=str(root_dir))
+        for step, recorded in ((1, True), (2, True), (3, False)):
+            final = root_dir / f"step_{step}"
+            final.mkdir()
+            manifest = Manifest(
+                root=str(root_dir),
+                step=step,
+                world_size=1,
+                created="2026-12-01T10:00:00Z",
+                bytes=0,
+                origin=origin(str(final)) if recorded else None,
+                files={f"model/shard_{i:06d}.distcp": i for i in range(files)},
+                dirs=["."],
+                dcp_dirs=[],
+            )
+            data = msgspec.json.encode(manifest)
+            if not recorded:  # as written before manifests had the field at all
+                data = data.replace(b'"origin":null,', b"")
+                assert b"origin" not in data
+            (final / MANIFEST_NAME).write_bytes(data)
+        cache: ManifestCache = {}
+        assert [f.complete for f in scan(root, cache)] == [True, True, True]
+        for step in (1, 3):  # backed up, deleted, restored where it was
+            final = root_dir / f"step_{step}"
+            subprocess.run(["cp", "-a", str(final), str(backup)], check=True)
+            shutil.rmtree(final)
+            subprocess.run(["cp", "-a", str(backup / final.name), str(final)], check=True)
+        # Step 1 is a copy now, even with its original's inode number (ext4 gives it
+        # back) and mtimes (cp -a keeps them). Step 3's manifest records no origin
+        # (promoted before manifests did): taken as the daemon's, as it always was.
+        assert [(f.step, f.complete) for f in scan(root, cache)] == [
+            (1, False),
+            (2, True),
+            (3, True),
+        ]
+        assert [f.complete for f in scan(root, {})] == [False, True, True]  # uncached too

@@ -758,11 +758,29 @@ class TestWait:
     def test_wait_for_step_promoted_before_the_daemon_started(
         self, start: Start, root: Path
     ) -> None:
-        (root / "step_43").mkdir()
+        first = start([root], socket_name="first.sock")
+        assert ok(save(first, root, 43))["state"] == "promoted"
+        assert first.stop() == 0
+        # Its own state directory, empty: only the root says step 43 was promoted.
         daemon = start([root])
         with connect(daemon) as client:
             reply = ok(wait(client, root, 43))
         assert (reply["state"], reply["path"]) == ("promoted", str(root / "step_43"))
+
+    def test_a_step_dir_the_daemon_did_not_promote_is_not_promoted(
+        self, start: Start, root: Path
+    ) -> None:
+        (root / "step_43").mkdir()  # made by hand: no manifest
+        (root / "step_43" / "weights.bin").write_bytes(b"x")
+        (root / "step_44").mkdir()  # a manifest of another step (a copy renamed)
+        (root / "step_44" / ".ckptd-manifest.json").write_text(
+            json.dumps({"root": str(root), "step": 4, "created": ""})
+        )
+        daemon = start([root])
+        with connect(daemon) as client:
+            for step in (43, 44):
+                reply = ok(wait(client, root, step, timeout=0.2))
+                assert reply["state"] == "pending", (step, reply)
 
 
 class TestSubscribe:

@@ -93,10 +93,7 @@ class Deadlines:
                 # This node's marker is done: only the leader decides the step now, and
                 # this node reports what the leader says, never an outcome of its own.
                 return []
-            reason = (
-                f"timed out after {now - save.first_begin:.1f}s; "
-                f"ranks not done: {ranges(save.missing_ranks())}"
-            )
+            reason = f"timed out after {now - save.first_begin:.1f}s; {_outstanding(save)}"
             return self._fail_save(save, reason, now)
         return self._gather_expired(save, now)
 
@@ -148,3 +145,18 @@ class Deadlines:
                     Emit("save.rank_disconnected", {**_ids(key, rank), "lease_s": self._lease})
                 )
         return effects
+
+
+def _outstanding(save: SaveRecord) -> str:
+    """What an open save was still waiting for when its time ran out.
+
+    Ranks not done, if any. A leader whose ranks (its own, and the other nodes' from
+    their markers) are all done waits only for its own node marker to be durable: the
+    save becomes ``VERIFYING`` the moment it is.
+    """
+    missing = save.missing_ranks()
+    if missing:
+        return f"ranks not done: {ranges(missing)}"
+    if save.spans and not save.marked:
+        return "every rank is done, but this node's marker (the leader's) was not yet durable"
+    return "every rank is done, but verification had not begun"  # pragma: no cover

@@ -4,11 +4,12 @@ A daemon is healthy when its event loop answers (the reply comes from it) and it
 can be written: no journal write has been running past ``fs_stall_after``, the last one
 did not fail (or writing the changes it left queued works now), and the state directory
 is writable and not full. That last check is a
-``statvfs`` and an ``access`` of the journal file, in a thread of its own, at most one at
-a time; a check that has not returned within :data:`PROBE_WAIT` (a hung state disk)
-makes the daemon unhealthy. No checkpoint root is looked at: a slow or hung checkpoint
-filesystem delays only its own root's requests (``root.stalled``), and restarting the
-daemon would not make it faster.
+``statvfs``, an ``access`` of the journal file and a probe write in its directory (a
+filesystem the kernel made read-only after an I/O error may show neither), in a thread
+of its own, at most one at a time; a check that has not returned within
+:data:`PROBE_WAIT` (a hung state disk) makes the daemon unhealthy. No checkpoint root is
+looked at: a slow or hung checkpoint filesystem delays only its own root's requests
+(``root.stalled``), and restarting the daemon would not make it faster.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from orchestrator import protocol as p
 
 from ..base._errors import RequestError
 from ..config._config import Config
+from ..store._durable import probe_write
 
 __all__ = ["PROBE_WAIT", "HealthCheck", "state_dir_problem"]
 
@@ -75,6 +77,10 @@ def state_dir_problem(journal_path: str) -> str | None:
         return "the state directory's filesystem is full"
     if not os.access(journal_path, os.W_OK):
         return f"the journal {journal_path} is not writable"
+    try:
+        probe_write(os.path.dirname(journal_path) or ".")
+    except OSError as exc:
+        return f"the state directory cannot be written: {exc.strerror or exc}"
     return None
 
 

@@ -7,8 +7,9 @@ request path pays one dictionary lookup per event and nothing per request. Gauge
 lanes when a scrape asks for them, on the event loop, so they are exact at scrape time
 and cost nothing between scrapes.
 
-Labels stay bounded: ``root`` is a configured root, ``reason`` a fixed class of failure,
-``code`` a protocol error code; never a step, rank, path or free text.
+Labels stay bounded: ``root`` is a configured root, ``reason`` a fixed class of failure
+(or of why retention kept a step), ``code`` a protocol error code; never a step, rank,
+path or free text. Retention's series are :mod:`daemon.ops._retention_metrics`'.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from orchestrator import protocol as p
 
 from ..config._config import Config
 from ..ledger._ledger import Ledger
+from ._retention_metrics import Report, RetentionMetrics
 
 __all__ = ["FAILURE_REASONS", "Metrics", "failure_reason"]
 
@@ -124,6 +126,14 @@ class Observed(Protocol):
     def retiring(self) -> Mapping[str, object]:
         """Roots a reload removed whose saves in flight still run."""
         ...
+
+    @property
+    def retention(self) -> _Passes: ...
+
+
+class _Passes(Protocol):
+    @property
+    def passes(self) -> Mapping[str, Report]: ...
 
 
 class Metrics(Collector):
@@ -238,6 +248,7 @@ class Metrics(Collector):
             "ckptd_build_info", "The daemon's version; always 1.", ["version"], registry=reg
         )
         info.labels(version=version).set(1)
+        self.retention = RetentionMetrics(reg, daemon.config.roots)
         ProcessCollector(registry=reg)
         PlatformCollector(registry=reg)
         GCCollector(registry=reg)
@@ -256,6 +267,7 @@ class Metrics(Collector):
             "pointer.failed": lambda f: self.pointer_failures.labels(root=f["root"]).inc(),
             "config.reloaded": self._reloaded,
             "config.reload_failed": self._reload_failed,
+            **self.retention.handlers,
         }
 
     def bind_loop(self) -> None:
@@ -386,3 +398,4 @@ class Metrics(Collector):
         )
         yield GaugeMetricFamily("ckptd_waits", "wait requests pending now.", value=daemon.waits)
         yield GaugeMetricFamily("ckptd_roots", "Checkpoint roots configured.", value=len(roots))
+        yield from self.retention.sample(daemon.config.roots, daemon.retention.passes)

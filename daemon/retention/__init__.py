@@ -9,6 +9,8 @@
 - :mod:`.facts`: each step's pin, hold and metrics on the root, taken back by a daemon
   that lost its state; the ``best`` pointer's name, so a renamed one is removed.
 - :mod:`.requests`: ``score``, ``pin``, ``unpin``, ``hold`` and ``retention``.
+- :mod:`.report`: what each root's last pass found, for the ``ckptd_retention_*``
+  metrics.
 
 The ``ckptd`` commands for them are :mod:`daemon.ops._retention_cmds`.
 """

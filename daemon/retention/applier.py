@@ -45,6 +45,7 @@ from ..store._trash import TrashRemover
 from . import requests
 from .facts import RootFacts
 from .policy import StepFacts, Verdict, best_step, judge, retired
+from .report import PassReport, report
 from .state import RetentionState
 
 __all__ = ["Retention", "prunes_every_root"]
@@ -91,6 +92,8 @@ class Retention(RootFacts):
         self._facts_locks: dict[str, anyio.Lock] = {}
         self._wake_at: dict[str, float] = {}
         self._last_prunes: dict[str, bool] = {}
+        self.passes: dict[str, PassReport] = {}
+        """Each root's last applied pass (the metrics read it)."""
         self._group: TaskGroup | None = None
         self._stopped = anyio.Event()
 
@@ -222,6 +225,10 @@ class Retention(RootFacts):
             if apply and prunes and retired(verdicts):
                 with anyio.CancelScope(shield=True):
                     verdicts, gone = await self._retire(root)
+            if apply:
+                space = await lanes.run(root.path, storage.free_space, root)
+                at = time.time()
+                self.passes[root.path] = report(verdicts, gone, at=at, prunes=prunes, space=space)
             return verdicts, on_disk, gone
 
     async def _prunes(self, root: RootConfig, found: list[Found]) -> bool:

@@ -300,15 +300,18 @@ class Requests:
                 or self.attempt_dirs.reporting(key)  # failed, but not yet set aside
                 or self.nodes.reporting(key)  # failed, but not yet written out
             ):
+                # No save of the step here: only a promotion's manifest and a durable
+                # rename (a peer's, or an earlier run's) say it was promoted.
                 if save is None and await self.lanes.run(
-                    root.path, self.storage.promoted, root, request.step, abandon=True
+                    root.path, self.storage.promoted_durably, root, request.step, abandon=True
                 ):
                     break
                 await self._wait_for(key)
         save = self.ledger.get(key)
         if save is None:
             final = root.final_dir(key.step)
-            if await self.lanes.run(root.path, self.storage.promoted, root, key.step, abandon=True):
+            landed = self.storage.promoted_durably
+            if await self.lanes.run(root.path, landed, root, key.step, abandon=True):
                 return p.WaitReply(id=request.id, state="promoted", path=final)
             return p.WaitReply(id=request.id, state="pending")
         attempt = save.attempt or None

@@ -6,10 +6,11 @@ markers, layout files, manifests, the journal's directory).
 
 from __future__ import annotations
 
+import errno
 import os
 import uuid
 
-__all__ = ["fsync_dir", "write_atomic"]
+__all__ = ["fsync_dir", "probe_write", "write_atomic"]
 
 
 def write_atomic(path: str, data: bytes, *, sync_dir: bool = True) -> None:
@@ -50,3 +51,33 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def probe_write(directory: str) -> None:
+    """Create a file in ``directory`` and write a byte to it; leave nothing behind.
+
+    The one check that sees a filesystem the kernel stopped writing to without
+    flagging its mount (ext4 after an I/O error under ``errors=remount-ro``: ``statvfs``
+    shows no ``ST_RDONLY`` and ``access`` says writable, yet every write is refused).
+    An unnamed file (``O_TMPFILE``) where the filesystem has them, so a crash leaves no
+    name; else a unique name, removed at once. Not synced: this asks whether the
+    filesystem takes writes, and costs no flush.
+
+    Raises:
+        OSError: the file cannot be created or written (``EROFS``, ``EIO``, ``ENOSPC``...).
+    """
+    flags = os.O_WRONLY | os.O_CLOEXEC
+    name = None
+    try:
+        fd = os.open(directory, flags | os.O_TMPFILE, 0o600)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            raise
+        name = os.path.join(directory, f".ckptd-probe.{uuid.uuid4().hex}.tmp")
+        fd = os.open(name, flags | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, b"\0")
+    finally:
+        os.close(fd)
+        if name is not None:
+            os.unlink(name)

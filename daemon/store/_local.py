@@ -168,6 +168,10 @@ class LocalStorage:
         """See :meth:`daemon.store._storage.Storage.promoted`."""
         return os.path.isdir(root.final_dir(step))
 
+    def promoted_durably(self, root: RootConfig, step: int) -> bool:
+        """See :func:`daemon.store._steps.promoted_durably`."""
+        return _steps.promoted_durably(root, step)
+
     def writing(self, root: RootConfig, step: int) -> bool:
         """See :meth:`daemon.store._storage.Storage.writing`."""
         return os.path.isdir(root.tmp_dir(step))
@@ -310,6 +314,10 @@ class LocalStorage:
     def leader_node(self, root: RootConfig, step: int) -> str | None:
         """See :func:`daemon.store._steps.leader_node`."""
         return _steps.leader_node(root, step)
+
+    def free_space(self, root: RootConfig) -> tuple[int, int]:
+        """See :func:`daemon.store._steps.free_space`."""
+        return _steps.free_space(root)
 
     def read_named_pointer(self, root: RootConfig, name: str) -> int | None:
         """See :func:`daemon.store._steps.read_named_pointer`."""

@@ -23,6 +23,7 @@ from ..base._errors import PromotionError
 from ..base._faults import crash_point
 from ..config._config import RootConfig
 from ._fence import pointer_lock
+from ._origin import origin
 from ._verify import MANIFEST_NAME, Manifest
 
 __all__ = [
@@ -96,7 +97,8 @@ def promote(
     """Make step ``step`` of ``root`` a checkpoint. Call only after verification.
 
     Order: start flushing every file and subdirectory of the save side by side; call
-    ``intent`` while they run; write the manifest; once every flush is done, fsync the
+    ``intent`` while they run; write the manifest (with the directory's origin,
+    :mod:`daemon.store._origin`); once every flush is done, fsync the
     save's own directory (the manifest's entry with it); one
     ``rename(tmp_step_N, step_N)`` that never replaces; fsync the root; move the pointer
     if this is the newest step. Nothing is renamed before all of the save, the manifest
@@ -140,6 +142,9 @@ def promote(
         try:
             if intent is not None:
                 intent()
+            # The directory's origin, which the rename keeps and no copy has: how
+            # retention tells this checkpoint from one copied in (a backup restored).
+            manifest = msgspec.structs.replace(manifest, origin=origin(tmp))
             # Its directory entry becomes durable with the fsync of ``tmp`` below.
             data = msgspec.json.encode(manifest)
             storage.write_atomic(os.path.join(tmp, MANIFEST_NAME), data, sync_dir=False)

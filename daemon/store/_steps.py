@@ -2,8 +2,9 @@
 
 Run in the root's lane (``daemon.store._lanes``), never on the event loop. A checkpoint is
 *complete* when its ``step_N`` is a real directory holding the manifest the daemon wrote
-at promotion, naming this root's step N; anything else named ``step_N`` (a copy, a
-trainer's own directory) is never retired. Retiring a step is one rename of
+at promotion, naming this root's step N, and is the directory that manifest was written
+in (its origin, :mod:`daemon.store._origin`); anything else named ``step_N`` (a copy,
+a backup restored, a trainer's own directory) is never retired. Retiring a step is one rename of
 ``step_N`` into ``ROOT/.ckptd-trash/delete/`` as ``step_N.retired-<suffix>``; the
 background remover (``daemon.store._trash``) deletes it from there.
 """
@@ -28,6 +29,7 @@ from . import _gc
 from ._attempts import read_marker
 from ._durable import fsync_dir, write_atomic
 from ._markers import NODE_PREFIX, NodeMarker
+from ._origin import Origin, origin
 from ._promote import read_pointer
 from ._verify import MANIFEST_NAME
 
@@ -36,7 +38,9 @@ __all__ = [
     "Found",
     "ManifestCache",
     "doomed_step",
+    "free_space",
     "leader_node",
+    "promoted_durably",
     "read_named_pointer",
     "remove_pointer",
     "retire",
@@ -60,6 +64,7 @@ class _Head(msgspec.Struct, frozen=True):
     root: str = ""
     step: int = -1
     created: str = ""
+    origin: Origin | None = None
     attempt: str = ""
 
 
@@ -75,8 +80,9 @@ class Found:
     """The attempt its manifest names."""
 
 
-ManifestCache = dict[tuple[str, int], tuple[tuple[int, int, int], Found]]
-"""What each manifest said, by (root, step), with the (dev, inode, mtime) it was read at."""
+ManifestCache = dict[tuple[str, int], tuple[tuple[int, ...], Found]]
+"""What each manifest said, by (root, step), with the manifest's (dev, inode, mtime) and
+its directory's origin (inode, birth) it was read at."""
 
 
 def scan(root: RootConfig, cache: ManifestCache) -> list[Found]:
@@ -104,12 +110,16 @@ def scan(root: RootConfig, cache: ManifestCache) -> list[Found]:
 
 
 def _facts(root: RootConfig, step: int, cache: ManifestCache) -> Found:
-    path = os.path.join(root.final_dir(step), MANIFEST_NAME)
+    final = root.final_dir(step)
+    path = os.path.join(final, MANIFEST_NAME)
     try:
         st = os.lstat(path)
+        here = origin(final)
     except OSError:
         return Found(step, complete=False)
-    stamp = (st.st_dev, st.st_ino, st.st_mtime_ns)
+    # The directory's origin is in the stamp: a copy restored where its original was
+    # may get the original's inode numbers back, and ``cp -a`` keeps the mtime.
+    stamp = (st.st_dev, st.st_ino, st.st_mtime_ns, here.ino, here.born_ns)
     cached = cache.get((root.path, step))
     if cached is not None and cached[0] == stamp:
         return cached[1]
@@ -117,7 +127,13 @@ def _facts(root: RootConfig, step: int, cache: ManifestCache) -> Found:
         head = _read_head(path)
     except (OSError, msgspec.DecodeError):
         return Found(step, complete=False)
-    complete = head.step == step and head.root in (root.path, root.real, root.named)
+    complete = (
+        head.step == step
+        and head.root in (root.path, root.real, root.named)
+        # Renamed here by a promotion, not copied in (a manifest from before origins
+        # were recorded is taken as the daemon's).
+        and (head.origin is None or head.origin.same(here))
+    )
     facts = Found(step, complete, _when(head.created, st.st_mtime), head.attempt)
     cache[(root.path, step)] = (stamp, facts)
     return facts
@@ -149,6 +165,29 @@ def _when(created: str, fallback: float) -> float:
         return datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp()
     except ValueError:
         return fallback
+
+
+def promoted_durably(root: RootConfig, step: int) -> bool:
+    """Whether ``step_N`` is a checkpoint of ``root``'s step N, durably. Blocking I/O.
+
+    For a node with no save of the step, which cannot know how its ``step_N`` came to
+    be (another node's daemon renamed it on a shared root; an earlier run, whose state
+    is gone, promoted it): it holds the manifest a promotion writes and fsyncs before
+    its rename, naming this root and step, and the root is fsynced here and now, so
+    that the rename (another daemon's, perhaps not yet flushed) survives a crash from
+    here on. A directory made by hand, or a copy of another step, is not one.
+    """
+    try:
+        head = _read_head(os.path.join(root.final_dir(step), MANIFEST_NAME))
+    except (OSError, msgspec.DecodeError):
+        return False
+    if head.step != step or head.root not in (root.path, root.real, root.named):
+        return False
+    try:
+        fsync_dir(root.path)
+    except OSError:
+        return False  # not known durable: not promoted yet, as far as this node can say
+    return True
 
 
 def leader_node(root: RootConfig, step: int) -> str | None:
@@ -256,6 +295,16 @@ def retire(root: RootConfig, steps: Iterable[int]) -> tuple[dict[int, str], dict
     if moved:
         _gc.sync_doomed(root)
     return moved, refused
+
+
+def free_space(root: RootConfig) -> tuple[int, int]:
+    """Bytes of ``root``'s filesystem available to the daemon, and its size. Blocking I/O.
+
+    Raises:
+        OSError: it cannot be stat'ed.
+    """
+    st = os.statvfs(root.path)
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
 
 
 def doomed_step(root: RootConfig, entry: str) -> int | None:

@@ -99,6 +99,14 @@ class Storage(Protocol):
         """Whether ``step`` of ``root`` is a promoted checkpoint (``step_N`` exists)."""
         ...
 
+    def promoted_durably(self, root: RootConfig, step: int) -> bool:
+        """Whether ``step_N`` is a promotion of this root's step N, known durable.
+
+        Its manifest names this root and step, and the root is fsynced now: for a node
+        with no save of the step, whose rename may be another daemon's.
+        """
+        ...
+
     def writing(self, root: RootConfig, step: int) -> bool:
         """Whether ``step`` of ``root`` has a save directory (``tmp_step_N`` exists)."""
         ...
@@ -259,6 +267,10 @@ class Storage(Protocol):
 
     def leader_node(self, root: RootConfig, step: int) -> str | None:
         """The node that led a promoted step, from its markers."""
+        ...
+
+    def free_space(self, root: RootConfig) -> tuple[int, int]:
+        """Bytes of the root's filesystem available to the daemon, and its size."""
         ...
 
     def read_named_pointer(self, root: RootConfig, name: str) -> int | None:

@@ -20,6 +20,7 @@ from ..config._config import RootConfig
 from ._attempts import TRASH, read_marker
 from ._dcpmeta import check_dcp_dir
 from ._markers import CLAIM, is_marker_name
+from ._origin import Origin
 
 __all__ = ["MANIFEST_NAME", "Manifest", "read_manifest", "scan_save", "verify_checkpoint"]
 
@@ -39,6 +40,10 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     world_size: int
     created: str
     bytes: int
+    origin: Origin | None = None
+    """The directory the manifest was written in (:mod:`daemon.store._origin`), set at
+    promotion: a ``step_N`` whose own origin differs is a copy. None: promoted before
+    manifests recorded it (such a checkpoint is taken as the daemon's, as then)."""
     files: dict[str, int]
     """Every regular file, relative to the checkpoint directory, with its size."""
     dirs: list[str]
