@@ -23,7 +23,12 @@
 # logged (logger -t ckptd-prolog) and the script still exits 0 unless
 # CKPTD_PROLOG_STRICT=1; the job's ranks then fail to connect, with a clear error.
 #
-# Site settings can be overridden in /etc/ckptd/slurm.env (sourced if present).
+# Site settings can be overridden in /etc/ckptd/slurm.env (sourced if present; a
+# wrapper that runs this script may name another file in $CKPTD_SLURM_ENV). It is
+# sourced on each node with the job's SLURM_* variables set, so a value may depend on
+# them: several Slurm nodes on one host (a test cluster) need a socket directory and a
+# node name each, e.g. CKPTD_RUN_BASE=/run/ckptd-slurm/$SLURMD_NODENAME and
+# CKPTD_NODE=$SLURMD_NODENAME (keep the same CKPTD_RUN_BASE for epilog.sh).
 
 set -euo pipefail
 set -f # paths from the job comment must never be glob-expanded
@@ -37,9 +42,11 @@ CKPTD_LOG_BASE=/var/log/ckptd-slurm # events, one JSON line each; rotate or prun
 CKPTD_CONFIG=/etc/ckptd/slurm.toml  # optional: lease, save_timeout, log_level
 CKPTD_START_TIMEOUT=30              # seconds to wait for `ckptd health` to succeed
 CKPTD_PROLOG_STRICT=0
-if [[ -r /etc/ckptd/slurm.env ]]; then
+CKPTD_NODE= # --node: this node's name in multi-node saves; empty: the hostname
+CKPTD_SLURM_ENV=${CKPTD_SLURM_ENV:-/etc/ckptd/slurm.env}
+if [[ -r $CKPTD_SLURM_ENV ]]; then
 	# shellcheck source=/dev/null
-	. /etc/ckptd/slurm.env
+	. "$CKPTD_SLURM_ENV"
 fi
 
 job=${SLURM_JOB_ID:?not run by slurmd}
@@ -85,6 +92,9 @@ done
 if [[ -r $CKPTD_CONFIG ]]; then
 	args+=(--config "$CKPTD_CONFIG")
 fi
+if [[ -n $CKPTD_NODE ]]; then
+	args+=(--node "$CKPTD_NODE")
+fi
 
 # A requeued job keeps its id: clear what a previous run on this node left behind.
 if [[ -s $dir/ckptd.pid ]]; then
@@ -93,7 +103,7 @@ fi
 rm -rf -- "$dir"
 install -d -m 0755 -o root -g root "$CKPTD_RUN_BASE" "$CKPTD_LOG_BASE"
 install -d -m 0700 -o "$uid" -g "$gid" "$dir" "$dir/state"
-logfile=$CKPTD_LOG_BASE/$job.$(hostname -s).jsonl
+logfile=$CKPTD_LOG_BASE/$job.${CKPTD_NODE:-$(hostname -s)}.jsonl
 
 # setsid: own session, so the daemon outlives this script and is not part of any job
 # step (steps kill everything in their cgroup when they end; the Epilog stops ckptd
