@@ -57,11 +57,21 @@ sock=$dir/ckptd.sock
 
 log() { logger -t ckptd-prolog -- "job $job: $*" || true; }
 
+# SIGKILL the ckptd that $dir/ckptd.pid names, if that pid is still a ckptd: the file
+# may be left from a run whose Epilog never ran, and its pid reused since.
+kill_recorded() {
+	local pid
+	[[ -s $dir/ckptd.pid ]] || return 0
+	pid=$(<"$dir/ckptd.pid")
+	[[ $pid =~ ^[0-9]+$ ]] || return 0
+	if tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q ckptd; then
+		kill -KILL "$pid" 2>/dev/null || true
+	fi
+}
+
 give_up() {
 	log "$*"
-	if [[ -s $dir/ckptd.pid ]]; then
-		kill -KILL "$(<"$dir/ckptd.pid")" 2>/dev/null || true
-	fi
+	kill_recorded
 	rm -rf -- "$dir"
 	[[ $CKPTD_PROLOG_STRICT == 1 ]] && exit 1
 	exit 0
@@ -97,9 +107,7 @@ if [[ -n $CKPTD_NODE ]]; then
 fi
 
 # A requeued job keeps its id: clear what a previous run on this node left behind.
-if [[ -s $dir/ckptd.pid ]]; then
-	kill -KILL "$(<"$dir/ckptd.pid")" 2>/dev/null || true
-fi
+kill_recorded
 rm -rf -- "$dir"
 install -d -m 0755 -o root -g root "$CKPTD_RUN_BASE" "$CKPTD_LOG_BASE"
 install -d -m 0700 -o "$uid" -g "$gid" "$dir" "$dir/state"
