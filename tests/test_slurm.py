@@ -172,42 +172,57 @@ class Requeued:
 
 
 PINNED = 2
-STEPS, EVERY = 4, 2
+RUN0_STEPS, RUN1_STEPS, EVERY = 8, 4, 2
+
+
+def n1_done(root: Path, step: int) -> bool:
+    """Whether node n1's marker of ``step`` says its ranks are done (or it is promoted)."""
+    for where in (f"tmp_step_{step}", f"step_{step}"):
+        try:
+            marker = json.loads((root / where / ".ckptd-node-n1.json").read_text())
+        except (OSError, ValueError):  # not there (yet), or renamed away meanwhile
+            continue
+        if marker.get("state") == "done":
+            return True
+    return False
 
 
 @pytest.fixture(scope="module")
 def requeued(slurm: SlurmCluster) -> Requeued:
     """A 2-node, 4-rank training job through the Prolog's daemons, requeued mid-save.
 
-    Run 0 trains; once ``step_2`` is promoted it is pinned, and node n1's daemon is
-    killed: from then on no step can be promoted (the leader waits for n1's marker), so
-    run 0's later saves are in flight. Once its last save has left n0's ranks, the job
-    is requeued, and run 1 (the Prolog's fresh daemons on fresh state directories, a
-    ``keep_last = 1`` policy) resumes and runs to completion.
+    Run 0 trains. Once node n1's daemon has marked step 2 it is killed: from then on no
+    step can be promoted (the leader waits for n1's marker), so run 0's later saves stay
+    in flight. ``step_2`` is promoted and pinned; once run 0's last save has left n0's
+    ranks, the job is requeued. Run 1 (the Prolog's fresh daemons on fresh state
+    directories) resumes and runs to completion. The site's file gives the root a
+    ``keep_last = 1`` policy from run 1 on (run 0's daemons, with none, prune nothing
+    before the pin).
     """
     root = slurm.base / "roots" / "requeue"
     root.mkdir(parents=True)
     config = slurm.base / "requeue.toml"
-    config.write_text(f'[[roots]]\npath = "{root}"\n[roots.retention]\nkeep_last = 1\n')
+    config.write_text(f'[[roots]]\npath = "{root}"\n')
     listing = slurm.base / "jobs" / "ls-$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}.json"
     n0_sock = slurm.base / "run" / "n0" / "$SLURM_JOB_ID" / "ckptd.sock"
+    steps = f"$(( ${{SLURM_RESTART_COUNT:-0}} ? {RUN1_STEPS} : {RUN0_STEPS} ))"
     script = (
         "#!/bin/bash\nset -euo pipefail\n"
         'echo "run ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST"\n'
-        f"srun --kill-on-bad-exit=1 {slurm.rank_sh} {root} --steps {STEPS} --every {EVERY}\n"
+        f"srun --kill-on-bad-exit=1 {slurm.rank_sh} {root} --steps {steps} --every {EVERY}\n"
         f"{CKPTD} ls {root} --json --socket {n0_sock} > {listing}\n"
     )
     comment = f"--comment=ckptd_root={root} test_config={config}"
     env = {"MASTER_PORT": port()}
     job = slurm.sbatch(script, "--nodes=2", "--ntasks-per-node=2", "--requeue", comment, env=env)
 
-    wait_until(lambda: (root / f"step_{PINNED}").is_dir(), JOB_TIMEOUT, "run 0 promoted step 2")
+    wait_until(lambda: n1_done(root, PINNED), JOB_TIMEOUT, "n1's marker of step 2 says done")
     os.kill(slurm.daemon_pid("n1", job), signal.SIGKILL)
-    pinned = ckptd(
-        "pin", str(root), str(PINNED), "--socket", str(slurm.run_dir("n0", job) / "ckptd.sock")
-    )
+    wait_until(lambda: (root / f"step_{PINNED}").is_dir(), JOB_TIMEOUT, "run 0 promoted step 2")
+    leader = slurm.run_dir("n0", job) / "ckptd.sock"
+    pinned = ckptd("pin", str(root), str(PINNED), "--socket", str(leader))
     assert pinned.returncode == 0, pinned
-    last = STEPS - STEPS % EVERY
+    last = RUN0_STEPS - RUN0_STEPS % EVERY
     wait_until(
         lambda: (
             (root / f"tmp_step_{last}" / ".ckptd-node-n0.json").exists()
@@ -223,6 +238,7 @@ def requeued(slurm: SlurmCluster) -> Requeued:
     slurm.run("scontrol", "requeue", str(job))
     pending = slurm.wait_state(job, {"PENDING"}, JOB_TIMEOUT)
     assert pending["Reason"] == "BeginTime", pending
+    config.write_text(f'[[roots]]\npath = "{root}"\n[roots.retention]\nkeep_last = 1\n')
     # It waits cred_expire seconds (tests/_slurm.py) before it runs again; do not skip
     # that (scontrol update StartTime=now): slurmd would not run the Prolog again for a
     # job id whose credential it still remembers, and the run would have no daemons.
@@ -254,6 +270,9 @@ def attempt_marker(step_dir: Path) -> dict[str, Any]:
     return found
 
 
+# The first test also pays for the scenario (two runs of a 4-rank job, about 40 s on a
+# quiet 2-core machine, twice that beside a busy suite).
+@pytest.mark.timeout(300)
 class TestRequeue:
     """A job requeued mid-save resumes from the newest complete step; runs never mix."""
 
@@ -263,7 +282,9 @@ class TestRequeue:
         assert requeued.info["Restarts"] == "1", requeued.info
         assert "run 0 on" in out and "run 1 on" in out, out
         assert TRACEBACK not in out, out
-        assert requeued.requeue_to_running < CRED_EXPIRE + 20.0, requeued.requeue_to_running
+        # It waited out cred_expire (so slurmd ran the Prolog again), and no more than a
+        # fraction of the default two minutes, however busy the machine.
+        assert CRED_EXPIRE <= requeued.requeue_to_running < 60.0, requeued.requeue_to_running
 
     def test_run_0_was_requeued_mid_save(self, requeued: Requeued) -> None:
         assert requeued.latest_before >= PINNED
@@ -272,7 +293,7 @@ class TestRequeue:
     def test_run_1_resumed_from_the_newest_complete_step(self, requeued: Requeued) -> None:
         step_dir = requeued.root / f"step_{requeued.latest_before}"
         assert f"[train] resumed from {step_dir}" in requeued.output, requeued.output
-        last = requeued.latest_before + STEPS
+        last = requeued.latest_before + RUN1_STEPS
         assert f"[train] step {last}: promoted" in requeued.output, requeued.output
         assert os.readlink(requeued.root / "latest") == f"step_{last}"
         verify = ckptd("verify", str(requeued.root / f"step_{last}"))
@@ -294,7 +315,7 @@ class TestRequeue:
 
     def test_the_pin_outlives_retention_in_the_requeued_run(self, requeued: Requeued) -> None:
         kept = sorted(int(p.name.removeprefix("step_")) for p in requeued.root.glob("step_*"))
-        last = requeued.latest_before + STEPS
+        last = requeued.latest_before + RUN1_STEPS
         assert PINNED in kept and last in kept, kept
         listing = requeued.cluster.base / "jobs" / f"ls-{requeued.job}-1.json"
         rows = {r["step"]: r for r in json.loads(listing.read_text()) if r["state"] == "promoted"}
