@@ -196,8 +196,12 @@ class TestSlurmNoAdmin:
         assert (short_dir / "job").stat().st_mode & 0o777 == 0o700
 
     def test_scripts_parse(self) -> None:
-        for name in ("ckptd-node.sh", "example-noadmin.sbatch", "prolog.sh", "example.sbatch"):
+        names = ("ckptd-node.sh", "example-noadmin.sbatch", "prolog.sh", "epilog.sh")
+        for name in (*names, "example.sbatch"):
             result = run("bash", "-n", str(REPO / "deploy" / "slurm" / name))
             assert result.returncode == 0, result.stderr
-        text = (REPO / "deploy" / "slurm" / "example-noadmin.sbatch").read_text()
-        assert "--overlap --ntasks-per-node=1" in text
+        text = (REPO / "deploy" / "slurm" / "ckptd-node.sh").read_text()
+        # One daemon a node: the task count is given, never inherited from the job.
+        assert '--ntasks="$nodes" --ntasks-per-node=1' in text
+        example = (REPO / "deploy" / "slurm" / "example-noadmin.sbatch").read_text()
+        assert '"$NODE_SH" start' in example and '"$NODE_SH" stop' in example

@@ -289,7 +289,10 @@ def load_config(
     check_types(Config, data, config_file or "the configuration")
 
     root_tables: list[dict[str, Any]] = list(data.get("roots", []))
-    root_tables += [{"path": r} for r in roots or []]
+    # A --root the file already lists is that root, with the file's settings (a Slurm
+    # prolog names the job's roots; the site's file may give one a retention policy).
+    listed = {_abspath(t["path"]) for t in root_tables if isinstance(t, dict) and "path" in t}
+    root_tables += [{"path": r} for r in roots or [] if _abspath(r) not in listed]
     built = tuple(_root(table, config_file) for table in root_tables)
 
     kwargs: dict[str, Any] = {k: v for k, v in data.items() if k != "roots"}
@@ -356,10 +359,14 @@ def parse_listen(text: str) -> tuple[str, int]:
     return host or "0.0.0.0", int(port)
 
 
+def _abspath(path: object) -> str:
+    return os.path.abspath(os.path.expanduser(str(path)))
+
+
 def _root(table: dict[str, Any], source: str | None) -> RootConfig:
     if not isinstance(table, dict) or "path" not in table:
         raise ConfigError(f"each [[roots]] entry in {source} needs a path")
-    path = os.path.abspath(os.path.expanduser(str(table["path"])))
+    path = _abspath(table["path"])
     if not os.path.isdir(path):
         raise ConfigError(f"root {path} is not an existing directory; create it first")
     check_types(RootConfig, table, f"[[roots]] {table['path']} of {source}")

@@ -15,9 +15,10 @@ export PATH
 
 CKPTD_RUN_BASE=/run/ckptd-slurm
 CKPTD_STOP_GRACE=90 # seconds
-if [[ -r /etc/ckptd/slurm.env ]]; then
+CKPTD_SLURM_ENV=${CKPTD_SLURM_ENV:-/etc/ckptd/slurm.env} # as in prolog.sh
+if [[ -r $CKPTD_SLURM_ENV ]]; then
 	# shellcheck source=/dev/null
-	. /etc/ckptd/slurm.env
+	. "$CKPTD_SLURM_ENV"
 fi
 
 job=${SLURM_JOB_ID:-}

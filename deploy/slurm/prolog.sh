@@ -23,7 +23,12 @@
 # logged (logger -t ckptd-prolog) and the script still exits 0 unless
 # CKPTD_PROLOG_STRICT=1; the job's ranks then fail to connect, with a clear error.
 #
-# Site settings can be overridden in /etc/ckptd/slurm.env (sourced if present).
+# Site settings can be overridden in /etc/ckptd/slurm.env (sourced if present; a
+# wrapper that runs this script may name another file in $CKPTD_SLURM_ENV). It is
+# sourced on each node with the job's SLURM_* variables set, so a value may depend on
+# them: several Slurm nodes on one host (a test cluster) need a socket directory and a
+# node name each, e.g. CKPTD_RUN_BASE=/run/ckptd-slurm/$SLURMD_NODENAME and
+# CKPTD_NODE=$SLURMD_NODENAME (keep the same CKPTD_RUN_BASE for epilog.sh).
 
 set -euo pipefail
 set -f # paths from the job comment must never be glob-expanded
@@ -37,9 +42,11 @@ CKPTD_LOG_BASE=/var/log/ckptd-slurm # events, one JSON line each; rotate or prun
 CKPTD_CONFIG=/etc/ckptd/slurm.toml  # optional: lease, save_timeout, log_level
 CKPTD_START_TIMEOUT=30              # seconds to wait for `ckptd health` to succeed
 CKPTD_PROLOG_STRICT=0
-if [[ -r /etc/ckptd/slurm.env ]]; then
+CKPTD_NODE= # --node: this node's name in multi-node saves; empty: the hostname
+CKPTD_SLURM_ENV=${CKPTD_SLURM_ENV:-/etc/ckptd/slurm.env}
+if [[ -r $CKPTD_SLURM_ENV ]]; then
 	# shellcheck source=/dev/null
-	. /etc/ckptd/slurm.env
+	. "$CKPTD_SLURM_ENV"
 fi
 
 job=${SLURM_JOB_ID:?not run by slurmd}
@@ -50,11 +57,21 @@ sock=$dir/ckptd.sock
 
 log() { logger -t ckptd-prolog -- "job $job: $*" || true; }
 
+# SIGKILL the ckptd that $dir/ckptd.pid names, if that pid is still a ckptd: the file
+# may be left from a run whose Epilog never ran, and its pid reused since.
+kill_recorded() {
+	local pid
+	[[ -s $dir/ckptd.pid ]] || return 0
+	pid=$(<"$dir/ckptd.pid")
+	[[ $pid =~ ^[0-9]+$ ]] || return 0
+	if tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q ckptd; then
+		kill -KILL "$pid" 2>/dev/null || true
+	fi
+}
+
 give_up() {
 	log "$*"
-	if [[ -s $dir/ckptd.pid ]]; then
-		kill -KILL "$(<"$dir/ckptd.pid")" 2>/dev/null || true
-	fi
+	kill_recorded
 	rm -rf -- "$dir"
 	[[ $CKPTD_PROLOG_STRICT == 1 ]] && exit 1
 	exit 0
@@ -85,15 +102,16 @@ done
 if [[ -r $CKPTD_CONFIG ]]; then
 	args+=(--config "$CKPTD_CONFIG")
 fi
+if [[ -n $CKPTD_NODE ]]; then
+	args+=(--node "$CKPTD_NODE")
+fi
 
 # A requeued job keeps its id: clear what a previous run on this node left behind.
-if [[ -s $dir/ckptd.pid ]]; then
-	kill -KILL "$(<"$dir/ckptd.pid")" 2>/dev/null || true
-fi
+kill_recorded
 rm -rf -- "$dir"
 install -d -m 0755 -o root -g root "$CKPTD_RUN_BASE" "$CKPTD_LOG_BASE"
 install -d -m 0700 -o "$uid" -g "$gid" "$dir" "$dir/state"
-logfile=$CKPTD_LOG_BASE/$job.$(hostname -s).jsonl
+logfile=$CKPTD_LOG_BASE/$job.${CKPTD_NODE:-$(hostname -s)}.jsonl
 
 # setsid: own session, so the daemon outlives this script and is not part of any job
 # step (steps kill everything in their cgroup when they end; the Epilog stops ckptd
