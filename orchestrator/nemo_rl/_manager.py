@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .._client import CheckpointClient
+from .._errors import DaemonError
 from .._run import run_identity
 from ._config import CheckpointingConfig, PathLike, describe_policy, retention_table
 from ._config import retention_toml as _toml
@@ -134,7 +135,7 @@ class CheckpointManager(Finalizer):
             daemon = DaemonRoot(found, root)
             try:
                 policy = daemon.retention(apply=False).info.policy
-            except Exception as exc:  # any refusal: the reference mode
+            except DaemonError as exc:  # e.g. not_configured: the reference mode
                 logger.warning("ckptd: the daemon does not serve %s (%s)", root, exc)
             else:
                 self._check_policy(root, policy)
