@@ -131,8 +131,12 @@ class Finalizer:
 
     @property
     def has_pending_finalization(self) -> bool:
-        """Whether a background finalization is in flight."""
-        return self._pending_checkpoint_path is not None
+        """Whether a background finalization is in flight, or done but not yet collected.
+
+        True from :meth:`begin_finalization` until :meth:`finalize_pending` (or
+        :meth:`shutdown`) has collected its outcome, however fast the thread was.
+        """
+        return self._finalize_thread is not None
 
     def __enter__(self) -> Any:
         """The manager itself; leaving the block shuts it down."""
