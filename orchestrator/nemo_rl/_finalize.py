@@ -26,7 +26,7 @@ class Finalizer:
         self._finalize_thread: threading.Thread | None = None
         self._pending_checkpoint_path: Path | None = None
         self._finalize_error: Exception | None = None
-        self._delete_executor = self._new_executor()
+        self._delete_executor = ThreadPoolExecutor(max_workers=1)
 
     # -- what the manager provides ----------------------------------------------------
 
@@ -39,9 +39,6 @@ class Finalizer:
 
     @staticmethod
     def _warn_on_delete_failure(future: Future[None]) -> None:
-        raise NotImplementedError
-
-    def _new_executor(self) -> ThreadPoolExecutor:
         raise NotImplementedError
 
     # -- NeMo-RL's API ------------------------------------------------------------------
@@ -127,7 +124,7 @@ class Finalizer:
         """
         self.finalize_pending()
         self._delete_executor.shutdown(wait=True)
-        self._delete_executor = self._new_executor()
+        self._delete_executor = ThreadPoolExecutor(max_workers=1)
 
     @property
     def has_pending_finalization(self) -> bool:

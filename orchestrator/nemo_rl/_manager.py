@@ -20,7 +20,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Literal
 
@@ -355,9 +355,6 @@ class CheckpointManager(Finalizer):
                 "Training is unaffected, but stale checkpoints may remain on disk.",
                 stacklevel=2,
             )
-
-    def _new_executor(self) -> ThreadPoolExecutor:
-        return ThreadPoolExecutor(max_workers=1)
 
 
 def _is_tmp(path: Path) -> bool:
