@@ -236,6 +236,10 @@ class TestConfig:
             ('keep_best = { k = 0, metric = "x", mode = "min" }', "keep_best.k must be"),
             ("keep_last = 1\nkeep_forever = true", "unknown keys"),
             ('keep_last = 1\nbest_pointer = "latest"', "is the root's pointer too"),
+            ('keep_best = { k = 1, unscored = "later" }', 'unscored must be "grace"'),
+            ("keep_best = { k = 1 }", "keep_best needs metric"),
+            ('keep_best = { k = 1, unscored = "worst", every_steps = 0 }', "every_steps must"),
+            ('keep_best = { k = 1, unscored = "worst", grace_s = 5 }', "remove grace_s"),
         ],
     )
     def test_bad_tables(

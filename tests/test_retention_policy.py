@@ -42,7 +42,11 @@ def policies(draw: st.DrawFn) -> Policy:
             metric="loss",
             mode=draw(st.sampled_from(["min", "max"])),
             grace_s=draw(st.sampled_from([0.0, 100.0])),
+            every_steps=draw(st.none() | st.integers(1, 6)),
+            unscored=draw(st.sampled_from(["grace", "worst"])),
         )
+        if best.unscored == "worst":
+            best = replace(best, grace_s=0.0)
     return Policy(
         keep_last=draw(st.none() | st.integers(0, 4)),
         keep_every_steps=draw(st.none() | st.integers(1, 12)),
@@ -114,12 +118,19 @@ class TestNeverRetired:
             assert {n for n in complete if n % policy.keep_every_steps == 0} <= kept
         best = policy.keep_best
         if best is not None:
-            scored = [s for s in steps if s.complete and "loss" in s.metrics]
+            every = best.every_steps or 1
+            competing = [s for s in steps if s.complete and s.step % every == 0]
+            scored = [s for s in competing if "loss" in s.metrics]
             sign = 1 if best.mode == "min" else -1
             ranked = sorted(scored, key=lambda s: (sign * s.metrics["loss"], -s.step))
-            assert {s.step for s in ranked[: best.k]} <= kept
             if ranked:
                 assert best_step(policy, steps) == ranked[0].step
+            else:
+                assert best_step(policy, steps) is None
+            if best.unscored == "worst":  # the unscored fill what is left, newest first
+                unscored = [s for s in competing if "loss" not in s.metrics]
+                ranked += sorted(unscored, key=lambda s: -s.step)
+            assert {s.step for s in ranked[: best.k]} <= kept
 
     @given(steps=roots(), policy=policies(), data=st.data())
     def test_counts_complete_checkpoints_only(
@@ -162,3 +173,42 @@ class TestConvergence:
         direct = apply(steps, smaller, pointers)
         assert [s.step for s in after] == [s.step for s in direct]
         assert retired(judge(smaller, after, pointers=pointers, now=NOW)) == []
+
+
+class TestKeepBestOptions:
+    """``every_steps`` limits who competes; ``unscored = "worst"`` fills free places."""
+
+    def test_parsed_and_described(self) -> None:
+        from daemon.config._retention import parse_retention
+
+        table = {"keep_best": {"k": 2, "unscored": "worst", "every_steps": 10}}
+        best = parse_retention(table, "/r", "latest").policy.keep_best
+        assert best == KeepBest(
+            k=2, metric="", mode="max", grace_s=0.0, every_steps=10, unscored="worst"
+        )
+        assert best.describe() == "keep_best=2:-:max,every=10,unscored=worst"
+
+    def test_unscored_fill_free_places_newest_first(self) -> None:
+        best = KeepBest(k=3, metric="loss", mode="min", grace_s=0.0, unscored="worst")
+        steps = [
+            StepFacts(1, True, metrics={"loss": 0.2}),
+            StepFacts(2, True),
+            StepFacts(3, True),
+            StepFacts(4, True),
+            StepFacts(5, True),
+        ]
+        verdicts = judge(Policy(keep_best=best), steps, pointers={}, now=NOW)
+        assert [v.step for v in verdicts if v.kept] == [1, 4, 5]
+        assert best_step(Policy(keep_best=best), steps) == 1
+
+    def test_only_multiples_compete(self) -> None:
+        best = KeepBest(k=1, metric="r", mode="max", grace_s=100.0, every_steps=2)
+        steps = [
+            StepFacts(n, True, promoted_at=NOW, metrics={"r": float(n % 3)})
+            for n in (1, 2, 3, 4, 5, 6)
+        ]
+        verdicts = {v.step: v for v in judge(Policy(keep_best=best), steps, pointers={}, now=NOW)}
+        # 5 scores best (2.0) but does not compete; of 2, 4, 6 step 2 does (2.0).
+        assert {n for n, v in verdicts.items() if v.kept} == {2, 6}
+        assert "does not compete" in (verdicts[5].retire or "")
+        assert best_step(Policy(keep_best=best), steps) == 2

@@ -11,6 +11,13 @@ keep_best = { k = 2, metric = "val_loss", mode = "min", grace_s = 3600 }
 best_pointer = "best"
 ```
 
+``keep_best`` may also say which steps compete (``every_steps = N``: multiples of N
+only) and what a step without the metric is (``unscored = "grace"``, the default: kept
+for ``grace_s`` then judged by the other rules; ``"worst"``: ranked after every scored
+step, newer first, so it can fill a free place among the k, as NeMo-RL's
+``keep_top_k`` does). With ``unscored = "worst"`` the metric may be left out: every step
+is then unscored and the k newest competitors are kept.
+
 A root without the table has no policy: nothing of it is ever retired.
 """
 
@@ -47,15 +54,31 @@ class KeepBest:
     k: int
     """How many to keep (at least 1)."""
     metric: str
-    """The metric's name, as ``done``, ``score`` or ``training_info.json`` give it."""
+    """The metric's name, as ``done``, ``score`` or ``training_info.json`` give it; ""
+    (only with ``unscored = "worst"``): none, so every step is unscored."""
     mode: Literal["min", "max"]
     """``min``: lower is better (a loss); ``max``: higher is better (a reward)."""
     grace_s: float = DEFAULT_GRACE_S
-    """Seconds after its promotion an unscored checkpoint is kept, awaiting a score."""
+    """Seconds after its promotion an unscored checkpoint is kept, awaiting a score
+    (0 with ``unscored = "worst"``, where it does not apply)."""
+    every_steps: int | None = None
+    """Only steps that are multiples of this compete (None: every complete step)."""
+    unscored: Literal["grace", "worst"] = "grace"
+    """A step without a finite value of ``metric``: ``grace``, kept ``grace_s`` and not
+    ranked; ``worst``, ranked after every scored step (newer first), no grace."""
 
     def describe(self) -> str:
-        """The rule as ``ckptd ls`` and events show it: ``best=2:val_loss:min``."""
-        return f"keep_best={self.k}:{self.metric}:{self.mode}"
+        """The rule as ``ckptd ls`` and events show it: ``keep_best=2:val_loss:min``.
+
+        The options that are not their defaults follow, comma-separated:
+        ``keep_best=2:val_loss:min,every=10,unscored=worst`` (``-`` for no metric).
+        """
+        text = f"keep_best={self.k}:{self.metric or '-'}:{self.mode}"
+        if self.every_steps is not None:
+            text += f",every={self.every_steps}"
+        if self.unscored != "grace":
+            text += f",unscored={self.unscored}"
+        return text
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +103,7 @@ class Policy:
 
 _METRIC: Final = re.compile(r"^[A-Za-z0-9_.:/@+-]{1,128}$")
 _KEYS: Final = ("keep_last", "keep_every_steps", "keep_best", "best_pointer")
-_BEST_KEYS: Final = ("k", "metric", "mode", "grace_s")
+_BEST_KEYS: Final = ("k", "metric", "mode", "grace_s", "every_steps", "unscored")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -178,23 +201,39 @@ def _keep_best(value: Any, where: str) -> KeepBest:
     unknown = sorted(set(value) - set(_BEST_KEYS))
     if unknown:
         raise ConfigError(f"{where}: unknown keys in keep_best {unknown}; known: {_BEST_KEYS}")
-    for name in ("k", "metric", "mode"):
+    unscored = value.get("unscored", "grace")
+    if unscored not in ("grace", "worst"):
+        raise ConfigError(
+            f'{where}: keep_best.unscored must be "grace" (a step without the metric is '
+            'kept grace_s, not ranked) or "worst" (ranked after every scored step), got '
+            f"{unscored!r}"
+        )
+    needed = ("k", "metric", "mode") if unscored == "grace" else ("k",)
+    for name in needed:
         if name not in value:
             raise ConfigError(f"{where}: keep_best needs {name} (k, metric and mode)")
     k = _int(value["k"], "keep_best.k", where, 1)
-    metric = value["metric"]
-    if not isinstance(metric, str) or not _METRIC.match(metric):
+    metric = value.get("metric", "")  # left out (with "worst"): no metric, by recency
+    if "metric" in value and (not isinstance(metric, str) or not _METRIC.match(metric)):
         raise ConfigError(
             f"{where}: keep_best.metric {metric!r} must be 1-128 of A-Za-z0-9_.:/@+- "
             "(the metric's name as training_info.json, done or score give it)"
         )
-    mode = value["mode"]
+    mode = value.get("mode", "max")
     if mode not in ("min", "max"):
         raise ConfigError(
             f'{where}: keep_best.mode must be "min" (lower is better, a loss) or "max" '
             f"(higher is better, a reward), got {mode!r}"
         )
-    grace = value.get("grace_s", DEFAULT_GRACE_S)
+    every = value.get("every_steps")
+    if every is not None:
+        every = _int(every, "keep_best.every_steps", where, 1)
+    if unscored == "worst" and "grace_s" in value:
+        raise ConfigError(
+            f'{where}: keep_best.grace_s applies only with unscored = "grace"; with '
+            '"worst" a step without the metric is ranked at once: remove grace_s'
+        )
+    grace = value.get("grace_s", DEFAULT_GRACE_S if unscored == "grace" else 0.0)
     if (
         isinstance(grace, bool)
         or not isinstance(grace, int | float)
@@ -202,4 +241,11 @@ def _keep_best(value: Any, where: str) -> KeepBest:
         or grace < 0
     ):
         raise ConfigError(f"{where}: keep_best.grace_s must be seconds >= 0, got {grace!r}")
-    return KeepBest(k=k, metric=metric, mode=mode, grace_s=float(grace))
+    return KeepBest(
+        k=k,
+        metric=metric,
+        mode=mode,
+        grace_s=float(grace),
+        every_steps=every,
+        unscored=unscored,
+    )

@@ -14,7 +14,11 @@ A step is kept if any rule keeps it (a union):
   (``min``) or highest (``max``) value of ``metric`` (``best-k``); ties go to the newer
   step. A complete checkpoint without a finite value of ``metric`` does not compete: it
   is kept (``unscored``) for ``grace_s`` seconds after its promotion, so an evaluation
-  job can score it first, and after that only the other rules can keep it.
+  job can score it first, and after that only the other rules can keep it. Two options
+  (NeMo-RL's ``keep_top_k`` needs both): ``every_steps = N`` lets only multiples of N
+  compete, and ``unscored = "worst"`` ranks a step without the metric after every
+  scored one (newer first) instead of granting it a grace period, so it can take a
+  place among the k that no scored step fills.
 
 Whatever the policy, these are never retired: the newest complete checkpoint
 (``newest``), a pointer's target (the pointer's name, ``latest`` or ``best``), a pinned
@@ -31,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..config._retention import DEFAULT_GRACE_S, KeepBest, Policy
 
@@ -80,19 +84,39 @@ def _score(facts: StepFacts, metric: str) -> float | None:
     return float(value)
 
 
+def _competes(best: KeepBest, s: StepFacts) -> bool:
+    return best.every_steps is None or s.step % best.every_steps == 0
+
+
+def _competitors(best: KeepBest, complete: Iterable[StepFacts]) -> list[StepFacts]:
+    """The complete steps ``keep_best`` ranks (multiples of ``every_steps``, if set)."""
+    return [s for s in complete if _competes(best, s)]
+
+
 def _ranking(best: KeepBest, complete: Iterable[StepFacts]) -> list[int]:
-    """Scored complete steps, best first (ties: the newer step first)."""
-    scored = [(s, v) for s in complete if (v := _score(s, best.metric)) is not None]
+    """Ranked competitors, best first (ties: the newer step first).
+
+    Scored steps only, unless ``unscored = "worst"``: then the unscored ones follow
+    every scored one, newest first.
+    """
+    competitors = _competitors(best, complete)
+    scored = [(s, v) for s in competitors if (v := _score(s, best.metric)) is not None]
     sign = 1.0 if best.mode == "min" else -1.0
     scored.sort(key=lambda sv: (sign * sv[1], -sv[0].step))
-    return [s.step for s, _ in scored]
+    ranking = [s.step for s, _ in scored]
+    if best.unscored == "worst":
+        unscored = [s.step for s in competitors if _score(s, best.metric) is None]
+        ranking += sorted(unscored, reverse=True)
+    return ranking
 
 
 def best_step(policy: Policy, steps: Iterable[StepFacts]) -> int | None:
-    """The step the ``best`` pointer should name: the best scored complete checkpoint."""
-    if policy.keep_best is None:
+    """The step the ``best`` pointer should name: the best scored competitor."""
+    best = policy.keep_best
+    if best is None:
         return None
-    ranking = _ranking(policy.keep_best, [s for s in steps if s.complete])
+    # Only a scored step is best; an unscored one ranks only to fill a place.
+    ranking = _ranking(replace(best, unscored="grace"), [s for s in steps if s.complete])
     return ranking[0] if ranking else None
 
 
@@ -147,7 +171,7 @@ def judge(
                 rank = ranked.get(s.step)
                 if rank is not None and rank < best.k:
                     kept.append(f"best-{best.k}")
-                elif rank is None and now - s.promoted_at < best.grace_s:
+                elif rank is None and _competes(best, s) and now - s.promoted_at < best.grace_s:
                     kept.append("unscored")
         retire = None if kept else _why_not(policy, s, len(last), ranked)
         verdicts.append(Verdict(s.step, tuple(kept), retire))
@@ -171,7 +195,9 @@ def _why_not(policy: Policy, s: StepFacts, last: int, ranked: Mapping[int, int])
     best = policy.keep_best
     if best is not None:
         rank = ranked.get(s.step)
-        if rank is None:
+        if not _competes(best, s):
+            reasons.append(f"{best.describe()}: step {s.step} does not compete")
+        elif rank is None:
             reasons.append(
                 f"{best.describe()}: no {best.metric} within {best.grace_s:g}s of its promotion"
             )

@@ -17,14 +17,23 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._dtypes import MasterWeightDtypeError, describe_drift, master_weight_drift
+from ._generations import loading_config
 from ._lora import _resolve_lora_adapter_dir, peft_load_dir
 
 if TYPE_CHECKING:
     from nemo_automodel.components.checkpoint.checkpointing import Checkpointer
 
-__all__ = ["LoadingMixin"]
+__all__ = ["CheckpointerNotInitialized", "LoadingMixin"]
 
 logger = logging.getLogger("orchestrator.automodel")
+
+
+class CheckpointerNotInitialized(AssertionError, RuntimeError):
+    """The manager was used before ``init_checkpointer``.
+
+    Both an ``AssertionError`` (what NeMo-RL's module raises, and its tests expect) and a
+    ``RuntimeError`` (what an assertion-free check raises), so either ``except`` works.
+    """
 
 
 class LoadingMixin:
@@ -74,8 +83,11 @@ class LoadingMixin:
     ) -> None:
         """Load a checkpoint into the model using Automodel's Checkpointer.
 
-        Optimizer (and scheduler) state is loaded only if ``optimizer`` and
-        ``optimizer_path`` are given. An optimizer that keeps master weights
+        The model is read from ``weights_path/model`` (or ``weights_path`` itself when
+        it ends in ``model``) in the format and PEFT-ness found on disk
+        (``detect_checkpoint_format``), whatever the save configuration says; that
+        configuration is left as it was. Optimizer (and scheduler) state is loaded only
+        if ``optimizer`` and ``optimizer_path`` are given. An optimizer that keeps master weights
         (``optimizer.master_weights``) is checked with :meth:`check_master_weight_dtypes`
         first.
 
@@ -87,11 +99,16 @@ class LoadingMixin:
             scheduler: Optional learning-rate scheduler.
 
         Raises:
+            CheckpointerNotInitialized: before ``init_checkpointer``.
             MasterWeightDtypeError: the optimizer's master-weight dtype drifted.
         """
         logger.info("loading weights from %s", weights_path)
-        checkpointer = self._require("loading a checkpoint")
-        checkpointer.load_model(model=model, model_path=os.path.join(weights_path, "model"))
+        checkpointer = self._require("loading checkpoint")
+        # A path already ending in model is the model directory (NeMo-RL passes either).
+        name = os.path.basename(os.path.normpath(weights_path))
+        model_dir = weights_path if name == "model" else os.path.join(weights_path, "model")
+        with loading_config(checkpointer, weights_path):
+            checkpointer.load_model(model=model, model_path=model_dir)
         if optimizer_path and optimizer is not None:
             if getattr(optimizer, "master_weights", False):
                 self.check_master_weight_dtypes(model, optimizer, optimizer_path)
@@ -136,8 +153,7 @@ class LoadingMixin:
 
     def _require(self, doing: str) -> Checkpointer:
         if self.checkpointer is None:
-            raise RuntimeError(
-                f"the checkpointer must be initialized before {doing}; call "
-                "init_checkpointer() first"
+            raise CheckpointerNotInitialized(
+                f"Checkpointer must be initialized before {doing}. Call init_checkpointer() first."
             )
         return self.checkpointer

@@ -15,32 +15,44 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from nemo_automodel.components.checkpoint.checkpointing import Checkpointer
 from nemo_automodel.components.checkpoint.config import CheckpointingConfig
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._client import CheckpointClient
 from .._nodes import local_world_size, read_environment
+from ._additions import DaemonMixin
+from ._generations import (
+    _infer_checkpoint_root,
+    apply_config_updates,
+    detect_checkpoint_format,
+    legacy_save_updates,
+)
 from ._loading import LoadingMixin
-from ._promotion import StepTracker, connect
+from ._promotion import StepTracker, agree, connect
 from ._stager import install_cpu_safe_stager, use_prefix_store
+from ._steps import locate_step
 from ._uploads import install_ordered_uploads
 
 if TYPE_CHECKING:
     from nemo_automodel.components._peft.lora import PeftConfig
-    from nemo_automodel.components.checkpoint.checkpointing import Checkpointer
 
-__all__ = ["AutomodelCheckpointManager"]
+# The previous generation's module functions are found here too, by its old name.
+__all__ = ["AutomodelCheckpointManager", "_infer_checkpoint_root", "detect_checkpoint_format"]
+
+_UNSET: Any = object()
+"""``save_checkpoint``'s ``checkpointing_cfg`` when not given: the current generation."""
 
 logger = logging.getLogger("orchestrator.automodel")
 
 
-class AutomodelCheckpointManager(LoadingMixin):
+class AutomodelCheckpointManager(DaemonMixin, LoadingMixin):
     """Manages checkpointing for Automodel models using nemo_automodel's Checkpointer.
 
     A drop-in for NeMo-RL's ``AutomodelCheckpointManager``: same constructor, methods
@@ -68,7 +80,10 @@ class AutomodelCheckpointManager(LoadingMixin):
         local_world_size: How many of the job's ranks run on this node, for a job
             across nodes. Default: torchrun's ``LOCAL_WORLD_SIZE``, else Slurm's
             ``SLURM_NTASKS_PER_NODE`` (see ``CheckpointClient.begin_nowait``); checked
-            against the world size in :meth:`init_checkpointer`.
+            against the world size in :meth:`init_checkpointer` when a daemon answers.
+        run: The run every save names (default: the launcher's, see
+            ``orchestrator._run``). NeMo-RL's Ray workers have none: pass the driver's
+            ``CheckpointManager.run`` here or to each :meth:`save_checkpoint`.
     """
 
     def __init__(
@@ -81,8 +96,11 @@ class AutomodelCheckpointManager(LoadingMixin):
         use_daemon: bool | None = None,
         tmp_prefix: str = "tmp_step_",
         local_world_size: int | None = None,
+        run: str | None = None,
     ) -> None:
         self.checkpointer: Checkpointer | None = None
+        self.checkpoint_config: CheckpointingConfig | None = None
+        """The Checkpointer's configuration (the previous generation's attribute)."""
         self.dp_mesh = dp_mesh
         self.tp_mesh = tp_mesh
         self.moe_mesh = moe_mesh
@@ -90,7 +108,9 @@ class AutomodelCheckpointManager(LoadingMixin):
         self._use_daemon = use_daemon
         self._tmp_prefix = tmp_prefix
         self._local_world_size = local_world_size
+        self._run = run
         self._tracker: StepTracker | None = None
+        self._agreed = use_daemon is not None  # else the ranks vote at the first step
 
     # -- the reference API (its load methods: _loading.py) --------------------------------
 
@@ -102,14 +122,16 @@ class AutomodelCheckpointManager(LoadingMixin):
         """Get the tensor parallel rank."""
         return int(dist.get_rank(self.tp_mesh.get_group()))
 
-    def init_checkpointer(self, config_updates: dict[str, Any] | None = None) -> None:
+    def init_checkpointer(
+        self, config_updates: dict[str, Any] | None = None, checkpoint_root: str | None = None
+    ) -> None:
         """Initialize the Automodel Checkpointer if not already created.
 
         Creates the ``Checkpointer`` from ``config_updates`` (``save_consolidated``
         defaults to ``"false"``; NeMo-RL passes explicit paths to every save and load, so
-        the configured root is unused). Does nothing if a checkpointer exists. Like the
-        constructor it calls, it is collective: every rank must call it, in the same
-        order relative to other process-group creation.
+        the configured root is only ``checkpoint_root``, if given). Does nothing if a
+        checkpointer exists. Like the constructor it calls, it is collective: every rank
+        must call it, in the same order relative to other process-group creation.
 
         With ``is_async=True``, three process-wide adjustments are made first: on a host
         without an accelerator the async stagers are built with CPU-safe options
@@ -118,34 +140,62 @@ class AutomodelCheckpointManager(LoadingMixin):
         ``MASTER_PORT`` set, ``DCP_USE_PREFIX_STORE=1`` (unless set) lets the upload
         processes reuse the job's store.
 
+        Whether a daemon answers is asked here, of this rank only; the world size is
+        read only then (for ``local_world_size``). The ranks agree at their first save
+        into a step directory (one ``all_gather_object``).
+
         Args:
             config_updates: Automodel checkpoint fields to set during initialization
                 (e.g. :func:`build_checkpoint_config`'s result).
+            checkpoint_root: The Checkpointer's ``checkpoint_dir`` (the previous
+                generation's argument; default ``""``).
 
         Raises:
-            ValueError: the constructor's ``local_world_size`` (or the environment it is
-                read from) does not fit the world size; raised before anything else.
+            ValueError: with a daemon, the constructor's ``local_world_size`` (or the
+                environment it is read from) does not fit the world size; raised
+                before the Checkpointer is built.
         """
         if self.checkpointer is not None:
             return
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        local = local_world_size(world, self._local_world_size, read_environment())
+        client = connect(self._use_daemon, self._client)
+        local = None
+        if client is not None:
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            local = local_world_size(world, self._local_world_size, read_environment())
         updates = dict(config_updates or {})
         updates.setdefault("save_consolidated", "false")
-        config = CheckpointingConfig(enabled=True, checkpoint_dir="", **updates)
+        config = CheckpointingConfig(enabled=True, checkpoint_dir=checkpoint_root or "", **updates)
         if config.is_async:
             use_prefix_store()
             install_cpu_safe_stager()
             install_ordered_uploads()
-        self.checkpointer = config.build(
+        self.checkpoint_config = config
+        self.checkpointer = Checkpointer(
+            config=config,
             dp_rank=self._get_dp_rank(),
             tp_rank=self._get_tp_rank(),
             pp_rank=0,
             moe_mesh=self.moe_mesh,
         )
-        client = connect(self._use_daemon, self._client)
         if client is not None:
             self._tracker = StepTracker(client, self._tmp_prefix, local_world_size=local)
+
+    def update_checkpointer_config(
+        self, config_updates: dict[str, Any] | None = None, checkpoint_root: str | None = None
+    ) -> None:
+        """Update the configuration of the existing Checkpointer (previous generation).
+
+        Sets each field (a format name becomes its enum, a bool its consolidation mode)
+        and chooses the Checkpointer's addons again, as its constructor does from the
+        config. ``is_async`` cannot change after :meth:`init_checkpointer` (a different
+        value is ignored, with a warning). Does nothing before it.
+
+        Args:
+            config_updates: ``CheckpointingConfig`` fields to update.
+            checkpoint_root: A new ``checkpoint_dir``, if given.
+        """
+        if self.checkpointer is not None:
+            apply_config_updates(self.checkpointer, config_updates or {}, checkpoint_root)
 
     def finalize_async_save(self) -> None:
         """Block until in-flight async checkpoint writes have landed on disk.
@@ -208,11 +258,14 @@ class AutomodelCheckpointManager(LoadingMixin):
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         tokenizer: Any = None,
         tokenizer_path: str | None = None,
-        *,
-        is_final_checkpoint: bool,
+        checkpointing_cfg: Mapping[str, Any] | None = _UNSET,
+        lora_enabled: bool = False,
         peft_config: PeftConfig | None = None,
+        *,
+        is_final_checkpoint: bool | None = None,
         seal: bool = True,
         metrics: Mapping[str, float] | None = None,
+        run: str | None = None,
     ) -> None:
         """Save a checkpoint of the model.
 
@@ -233,6 +286,13 @@ class AutomodelCheckpointManager(LoadingMixin):
         with :meth:`add_files`, then call :meth:`seal`. Files written before this call
         are already in the directory and are promoted with it.
 
+        Two generations of NeMo-RL call this. The current one passes
+        ``is_final_checkpoint`` (required then) and no ``checkpointing_cfg``; the
+        previous one passes ``checkpointing_cfg`` (NeMo-RL's ``checkpointing`` block),
+        ``lora_enabled`` and ``peft_config``, and each save first re-applies the block's
+        Automodel fields (:meth:`update_checkpointer_config`, with the root inferred
+        from ``weights_path``); ``is_final_checkpoint`` is then False unless given.
+
         Args:
             model: The model to save.
             weights_path: Where the weights go (NeMo-RL: ``tmp_step_N/policy/weights``).
@@ -242,18 +302,26 @@ class AutomodelCheckpointManager(LoadingMixin):
             tokenizer: Optional tokenizer (or processor: anything with
                 ``save_pretrained``) to save with the checkpoint.
             tokenizer_path: Optional separate tokenizer directory.
+            checkpointing_cfg: Previous generation: NeMo-RL's ``checkpointing`` block.
+            lora_enabled: Previous generation: save as PEFT with ``peft_config``.
+            peft_config: Optional PEFT configuration (adapter-only saves).
             is_final_checkpoint: Whether this checkpoint completes the run (at the final
                 step or after a deliberate early stop); Automodel's
                 ``save_consolidated="final"`` consolidates these. Timeout recovery
                 checkpoints are resumable and not final.
-            peft_config: Optional PEFT configuration (adapter-only saves).
             seal: ckptd only: seal the step when this returns (default). False keeps it
                 open for :meth:`add_files` until :meth:`seal`.
             metrics: ckptd only: this checkpoint's metrics (e.g. ``{"val_loss": 1.3}``),
                 sent with this rank's ``done``; the daemon's retention (``keep_best``,
                 the ``best`` pointer) judges by them. See also :meth:`add_metrics`.
+            run: ckptd only: the run this save's ``begin`` names, over the
+                constructor's ``run`` (NeMo-RL: the driver's ``CheckpointManager.run``).
 
         Raises:
+            CheckpointerNotInitialized: before :meth:`init_checkpointer` (an
+                ``AssertionError`` and a ``RuntimeError``).
+            ValueError: ``checkpointing_cfg`` is None.
+            TypeError: neither ``checkpointing_cfg`` nor ``is_final_checkpoint`` given.
             SaveRefused: with the daemon, it refused the step's ``begin`` on some rank
                 (e.g. ``already_promoted``): raised on every rank, before anything of
                 the save is written.
@@ -263,7 +331,22 @@ class AutomodelCheckpointManager(LoadingMixin):
                 upload's failure; the daemon is told this step failed first.
         """
         logger.info("saving checkpoint to %s", weights_path)
-        checkpointer = self._require("saving a checkpoint")
+        checkpointer = self._require("saving checkpoint")
+        if checkpointing_cfg is not _UNSET:
+            if checkpointing_cfg is None:
+                raise ValueError("checkpointing_cfg must be provided when saving checkpoint")
+            updates = legacy_save_updates(checkpointing_cfg, lora_enabled, peft_config)
+            peft_config = updates.get("peft_config")
+            self.update_checkpointer_config(updates, _infer_checkpoint_root(weights_path))
+        elif is_final_checkpoint is None:
+            raise TypeError(
+                "save_checkpoint() needs is_final_checkpoint=... (or, as NeMo-RL's previous "
+                "API, checkpointing_cfg=...)"
+            )
+        if not self._agreed and locate_step(weights_path, self._tmp_prefix) is not None:
+            self._agreed = True
+            if not agree(self._tracker is not None):
+                self._tracker = None
         tracker = self._tracker
         if tracker is not None and tracker.open is not None:
             logger.warning(
@@ -275,7 +358,8 @@ class AutomodelCheckpointManager(LoadingMixin):
         # Automodel keeps one future each for model and optimizer: finish the previous
         # save before they are replaced (the daemon already has its outcome).
         self._complete_uploads()
-        step = tracker.begin(weights_path, optimizer_path, tokenizer_path) if tracker else None
+        paths = (weights_path, optimizer_path, tokenizer_path)
+        step = tracker.begin(*paths, run or self._run) if tracker else None
         if step is not None and metrics:
             step.handle.add_metrics(metrics)
         try:
@@ -284,7 +368,7 @@ class AutomodelCheckpointManager(LoadingMixin):
                 weights_path=weights_path,
                 peft_config=peft_config,
                 tokenizer=tokenizer if tokenizer_path is None else None,
-                is_final_checkpoint=is_final_checkpoint,
+                is_final_checkpoint=bool(is_final_checkpoint),
             )
             if tracker is not None and step is not None:
                 tracker.model_saved(step, checkpointer, os.path.join(weights_path, "model"))
@@ -314,83 +398,3 @@ class AutomodelCheckpointManager(LoadingMixin):
             tracker.open = step
             if seal:
                 tracker.seal()
-
-    # -- what ckptd adds -------------------------------------------------------------------
-
-    @property
-    def uses_daemon(self) -> bool:
-        """Whether saves are promoted by the daemon (else the caller renames, as before)."""
-        return self._tracker is not None
-
-    def add_files(self, paths: Iterable[str]) -> None:
-        """Report files this rank wrote into the open step (``save_checkpoint(seal=False)``).
-
-        The daemon checks each exists with at least its current size before promoting.
-        Call once the files are completely written, before :meth:`seal`. A directory
-        reports every file under it. Without the daemon this does nothing.
-
-        Args:
-            paths: Absolute paths, or paths relative to the step's tmp directory
-                (``"train_dataloader.pt"``).
-
-        Raises:
-            RuntimeError: no step is open on this rank.
-            ValueError: a path is outside the step's tmp directory.
-            FileNotFoundError: a file does not exist.
-        """
-        if self._tracker is not None:
-            self._tracker.add_files(paths)
-
-    def add_metrics(self, metrics: Mapping[str, float]) -> None:
-        """Add metrics to the open step, with the daemon (``save_checkpoint(seal=False)``).
-
-        For metrics known only after the save started (an evaluation run meanwhile);
-        sent with the step's ``done`` when it is sealed.
-
-        Raises:
-            RuntimeError: no step is open, or not using the daemon.
-            ValueError: a value is not a finite number.
-        """
-        tracker = self._tracker
-        if tracker is None or tracker.open is None:
-            raise RuntimeError(
-                "no open step: call save_checkpoint(..., seal=False) before add_metrics()"
-            )
-        tracker.open.handle.add_metrics(metrics)
-
-    def seal(self) -> None:
-        """Declare this rank's part of the open step complete.
-
-        The daemon is told once every tracked upload has landed, and promotes the step
-        when every rank has sealed and reported. Does nothing if no step is open.
-        """
-        if self._tracker is not None:
-            self._tracker.seal()
-
-    def close(self) -> None:
-        """Finish this rank's checkpointing before the process exits.
-
-        Waits for in-flight uploads and their reports (:meth:`finalize_async_save`),
-        tells the daemon that a step still open was abandoned (it is never promoted: the
-        caller's files may be missing), waits for the daemon's acknowledgements (at most
-        5 s) and closes the Checkpointer. A process that exits with uploads in flight
-        loses them.
-        """
-        if self.checkpointer is None:
-            return
-        try:
-            self.finalize_async_save()
-        finally:
-            if self._tracker is not None:
-                self._tracker.abandon()
-                self._tracker.client.flush(5.0)
-            self.checkpointer.close()
-            self.checkpointer = None
-
-    # -- plumbing -------------------------------------------------------------------------
-
-    def _complete_uploads(self) -> None:
-        if self._tracker is not None:
-            self._tracker.before_next_save()
-        if self.checkpointer is not None:
-            self.checkpointer.async_wait()

@@ -44,32 +44,44 @@ _PROBE_TIMEOUT: Final = 2.0
 def connect(use_daemon: bool | None, client: CheckpointClient | None) -> CheckpointClient | None:
     """The client saves are registered through, or None for the reference behaviour.
 
-    Collective when ``use_daemon`` is None and more than one rank runs: every rank must
-    call it, since the ranks vote so that they all agree (a step some ranks never begin
-    is never promoted).
+    Local to this rank, with no collective and no world size: the ranks that left the
+    choice to this probe (``use_daemon`` None) agree later, with :func:`agree`, at their
+    first save into a step directory.
 
     Args:
         use_daemon: True: always (the client re-sends when a daemon comes up); False:
-            never; None: only if every rank reaches a daemon now.
+            never; None: only if this rank reaches a daemon now.
         client: The client to use; default the process-wide ``default_client()``.
     """
     if use_daemon is False:
         return None
-    if use_daemon is None:
-        reachable = _probe(client)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            votes: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(votes, reachable)
-            reachable = all(votes)
-        if not reachable:
-            logger.info("ckptd: no daemon reachable from every rank; the caller renames steps")
-            return None
+    if use_daemon is None and not _probe(client):
+        logger.info("ckptd: no daemon reachable; the caller renames steps")
+        return None
     if client is None:
         from .._dcp import default_client
 
         client = default_client()
     logger.info("ckptd: steps are promoted by the daemon at %s", client.socket_path)
     return client
+
+
+def agree(reachable: bool) -> bool:
+    """Whether every rank reached a daemon (one ``all_gather_object``; collective).
+
+    A step some ranks never begin is never promoted, so the ranks use the daemon only
+    if all of them do. Called once, at the first save into a step directory, which
+    every rank makes.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return reachable
+    votes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(votes, reachable)
+    if reachable and not all(votes):
+        logger.warning(
+            "ckptd: a daemon answered this rank but not every rank; the caller renames steps"
+        )
+    return all(votes)
 
 
 def _probe(client: CheckpointClient | None) -> bool:
@@ -108,14 +120,32 @@ class StepTracker:
         self, client: CheckpointClient, tmp_prefix: str, *, local_world_size: int | None = None
     ) -> None:
         self.client = client
+        self._clients = {client.run: client}
         self.tmp_prefix = tmp_prefix
         self.local_world_size = local_world_size
         self.open: TrackedStep | None = None
         self._sealed: list[SaveHandle] = []
         self._consolidation: Future[None] | None = None
 
+    def client_for(self, run: str | None) -> CheckpointClient:
+        """The client whose ``begin`` names ``run`` (None: the client's own run).
+
+        A client names one run, read when it is created; a save that names another
+        (NeMo-RL's Ray workers have no launcher's run: the driver chooses one) gets a
+        client of its own on the same socket, kept for the next saves.
+        """
+        if run is None:
+            return self.client
+        if run not in self._clients:
+            self._clients[run] = CheckpointClient(self.client.socket_path, run=run)
+        return self._clients[run]
+
     def begin(
-        self, weights_path: str, optimizer_path: str | None, tokenizer_path: str | None
+        self,
+        weights_path: str,
+        optimizer_path: str | None,
+        tokenizer_path: str | None,
+        run: str | None = None,
     ) -> TrackedStep | None:
         """Register this rank's save of the step ``weights_path`` is in.
 
@@ -128,9 +158,16 @@ class StepTracker:
         Returns:
             The tracked step, or None when ``weights_path`` is not in a step directory.
 
+        Args:
+            weights_path: The model's path, inside ``<tmp_prefix>N``.
+            optimizer_path: The optimizer's path, if saved.
+            tokenizer_path: The tokenizer's path, if saved.
+            run: The run the ``begin`` names (see :meth:`client_for`).
+
         Raises:
             SaveRefused: the daemon refused the ``begin`` of some rank (on every rank).
-            ValueError: a path is outside the step, or the daemon writes it elsewhere.
+            ValueError: a path is outside the step, the daemon writes it elsewhere, or
+                ``run`` does not fit the protocol.
         """
         location = locate_step(weights_path, self.tmp_prefix)
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -146,7 +183,7 @@ class StepTracker:
             for path in (weights_path, optimizer_path, tokenizer_path):
                 if path:
                     location.relative(path)
-            handle = self.client.save(
+            handle = self.client_for(run).save(
                 location.root, location.step, rank, world, local_world_size=self.local_world_size
             )
         refused = _refusals(handle, rank, world)
@@ -262,6 +299,14 @@ class StepTracker:
                 f"{self.open.location.step}"
             )
             self.open = None
+
+    def finish(self, timeout: float) -> None:
+        """Wait for every client's reports (``timeout`` each); close those made here."""
+        for client in self._clients.values():
+            client.flush(timeout)
+            if client is not self.client:
+                client.close(timeout)
+        self._clients = {self.client.run: self.client}
 
 
 def _refusals(handle: SaveHandle | None, rank: int, world: int) -> list[SaveRefused]:

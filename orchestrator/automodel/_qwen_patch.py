@@ -40,7 +40,10 @@ VISION_MODEL_TYPES: Final = frozenset({"qwen2_5_vl", "qwen2_vl"})
 _SOURCE: Final = r"^visual\."
 _TARGET: Final = "model.visual."
 _PROBE: Final = "visual.blocks.0.attn.qkv.weight"
-_MARKER: Final = "_ckptd_qwen_vl_vision_patch"
+_MARKER: Final = "_nrl_vision_patch"
+"""NeMo-RL's marker of the wrapper: its own patch and this one each skip the other."""
+_ORIGINAL: Final = "_nrl_orig"
+"""Where NeMo-RL's code and tests find the unwrapped function."""
 
 KeyMapping = dict[str, str] | Callable[[str], str] | None
 
@@ -78,7 +81,10 @@ def _patch_qwen_vl_vision_key_mapping() -> None:
     ``nemo_automodel.components.checkpoint.checkpointing``) so that, for ``qwen2_5_vl`` and
     ``qwen2_vl`` only, a rule ``^visual\.`` -> ``model.visual.`` is added when no
     existing rule already targets ``model.visual``. Other model types get exactly what
-    the original returns. Idempotent: applying it again changes nothing. Setting
+    the original returns. Idempotent: applying it again (or after NeMo-RL's own module
+    applied its version) changes nothing. The wrapper carries NeMo-RL's marker
+    (``_nrl_vision_patch``) and the unwrapped function as ``_nrl_orig`` and
+    ``__wrapped__``. Setting
     ``NRL_DISABLE_QWENVL_VISION_PATCH=1`` makes it a no-op.
 
     Raises:
@@ -91,7 +97,7 @@ def _patch_qwen_vl_vision_key_mapping() -> None:
     import nemo_automodel.components.checkpoint.checkpointing as am_checkpointing
 
     original = am_checkpointing.get_combined_key_mapping
-    if getattr(original, _MARKER, False):
+    if getattr(original, _MARKER, False):  # applied already, here or by NeMo-RL's module
         return
 
     def get_combined_key_mapping(
@@ -103,7 +109,9 @@ def _patch_qwen_vl_vision_key_mapping() -> None:
         return mapping
 
     setattr(get_combined_key_mapping, _MARKER, True)
-    # The unpatched function, so a test can tell when transformers makes this obsolete.
+    # The unpatched function, so a test can tell when transformers makes this obsolete:
+    # under NeMo-RL's name and as functools.wraps would expose it.
+    setattr(get_combined_key_mapping, _ORIGINAL, original)
     get_combined_key_mapping.__wrapped__ = original  # type: ignore[attr-defined]
     am_checkpointing.get_combined_key_mapping = get_combined_key_mapping
 

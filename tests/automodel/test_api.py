@@ -3,7 +3,11 @@
 The reference (``shared/reference/nemo_rl_automodel_checkpoint_api.txt``) is the
 contract: a NeMo-RL worker switches by changing its import, so each documented parameter
 must keep its name, kind, order and default. ckptd's additions come after them and are
-keyword-only with defaults.
+keyword-only with defaults. NeMo-RL main's previous generation (``UPSTREAM_MAIN``) is
+accepted too: its parameters may sit where the reference has keyword-only ones, so a
+parameter documented keyword-only may also be positional-or-keyword (after every
+reference positional one), and one the reference requires may default to None when the
+previous generation leaves it out (``save_checkpoint`` then raises ``TypeError``).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any
 import pytest
 
 import orchestrator.automodel as module
-from orchestrator.automodel import AutomodelCheckpointManager
+from orchestrator.automodel import AutomodelCheckpointManager, _manager
 
 P = inspect.Parameter
 POS, KW = P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY
@@ -79,6 +83,41 @@ REFERENCE: dict[str, list[tuple[str, Any, Any]]] = {
 }
 
 
+# NeMo-RL main (NVIDIA-NeMo/RL 7ea279a), the previous generation: only what differs.
+UPSTREAM_MAIN: dict[str, list[tuple[str, Any, Any]]] = {
+    "AutomodelCheckpointManager.init_checkpointer": [
+        ("config_updates", POS, None),
+        ("checkpoint_root", POS, None),
+    ],
+    "AutomodelCheckpointManager.update_checkpointer_config": [
+        ("config_updates", POS, None),
+        ("checkpoint_root", POS, None),
+    ],
+    "AutomodelCheckpointManager.save_checkpoint": [
+        ("model", POS, REQUIRED),
+        ("weights_path", POS, REQUIRED),
+        ("optimizer", POS, None),
+        ("optimizer_path", POS, None),
+        ("scheduler", POS, None),
+        ("tokenizer", POS, None),
+        ("tokenizer_path", POS, None),
+        ("checkpointing_cfg", POS, None),
+        ("lora_enabled", POS, False),
+        ("peft_config", POS, None),
+    ],
+    "detect_checkpoint_format": [("weights_path", POS, REQUIRED)],
+    "_infer_checkpoint_root": [("weights_path", POS, REQUIRED)],
+}
+
+RELAXED = {"is_final_checkpoint", "checkpointing_cfg"}
+"""Required by one generation, left out by the other (default None, or "not given")."""
+UNSET = _manager._UNSET
+
+GENERATIONS = [(REFERENCE, d) for d in sorted(REFERENCE)] + [
+    (UPSTREAM_MAIN, d) for d in sorted(UPSTREAM_MAIN)
+]
+
+
 def _resolve(dotted: str) -> Callable[..., Any]:
     target: Any = module
     for part in dotted.split("."):
@@ -89,15 +128,33 @@ def _resolve(dotted: str) -> Callable[..., Any]:
 class TestReferenceNames:
     """Each documented name exists and takes exactly the documented parameters first."""
 
-    @pytest.mark.parametrize("dotted", sorted(REFERENCE))
-    def test_signature(self, dotted: str) -> None:
-        parameters = inspect.signature(_resolve(dotted)).parameters.values()
-        params = [p for p in parameters if p.name != "self"]
-        documented = REFERENCE[dotted]
-        got = [(p.name, p.kind, p.default) for p in params[: len(documented)]]
-        assert got == documented
-        for extra in params[len(documented) :]:
-            assert extra.kind is KW and extra.default is not P.empty, extra
+    @pytest.mark.parametrize(("table", "dotted"), [*GENERATIONS])
+    def test_signature(self, table: dict[str, list[tuple[str, Any, Any]]], dotted: str) -> None:
+        parameters = inspect.signature(_resolve(dotted)).parameters
+        params = [p for p in parameters.values() if p.name != "self"]
+        documented = table[dotted]
+        positional = [name for name, kind, _ in documented if kind is POS]
+        assert [p.name for p in params[: len(positional)]] == positional
+        for name, kind, default in documented:
+            got = parameters[name]
+            if kind is KW:
+                assert got.kind in (KW, POS), name
+            else:
+                assert got.kind is POS, name
+            relaxed = name in RELAXED and got.default in (None, UNSET)
+            assert got.default == default or relaxed, name
+        documented_names = {n for t in (REFERENCE, UPSTREAM_MAIN) for n, *_ in t.get(dotted, [])}
+        for extra in params:
+            if extra.name not in documented_names:
+                assert extra.kind is KW and extra.default is not P.empty, extra
+
+    def test_both_generations_bind(self) -> None:
+        save = inspect.signature(AutomodelCheckpointManager.save_checkpoint)
+        save.bind(None, "m", "/w", None, None, None, None, None, is_final_checkpoint=True)
+        save.bind(None, "m", "/w", checkpointing_cfg={}, lora_enabled=True, peft_config=None)
+        save.bind(None, "m", "/w", None, None, None, None, None, {}, False, None)
+        init = inspect.signature(AutomodelCheckpointManager.init_checkpointer)
+        init.bind(None, {"is_async": True}, "/ckpt")
 
     def test_documented(self) -> None:
         for dotted in REFERENCE:

@@ -7,24 +7,41 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator import CheckpointClient
 from orchestrator.automodel import AutomodelCheckpointManager
 from tests._peer import ScriptedDaemon
 from tests.automodel.conftest import RankJob
 
 
 class TestChecked:
-    """A count that cannot be right fails ``init_checkpointer`` before anything else."""
+    """With a daemon, a count that cannot be right fails ``init_checkpointer`` first.
+
+    (Without one the count is never used, and the world size is not read: NeMo-RL's
+    tests call ``init_checkpointer`` with ``torch.distributed`` mocked.)
+    """
+
+    @pytest.fixture
+    def client(self, short_dir: Path) -> Iterator[CheckpointClient]:
+        client = CheckpointClient(str(short_dir / "none.sock"))
+        yield client
+        client.close(timeout=0)
 
     @pytest.mark.parametrize("bad", [2, 0, True])
-    def test_argument(self, bad: int) -> None:
-        manager = AutomodelCheckpointManager(None, None, local_world_size=bad)  # type: ignore[arg-type]
+    def test_argument(self, bad: int, client: CheckpointClient) -> None:
+        manager = AutomodelCheckpointManager(
+            None,  # type: ignore[arg-type]
+            None,  # type: ignore[arg-type]
+            local_world_size=bad,
+            use_daemon=True,
+            client=client,
+        )
         with pytest.raises(ValueError, match="local_world_size"):
             manager.init_checkpointer()
         assert manager.checkpointer is None
 
-    def test_environment(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def test_environment(self, monkeypatch: pytest.MonkeyPatch, client: CheckpointClient) -> None:
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
-        manager = AutomodelCheckpointManager(None, None)  # type: ignore[arg-type]
+        manager = AutomodelCheckpointManager(None, None, use_daemon=True, client=client)  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE='3'"):
             manager.init_checkpointer()
         assert manager.checkpointer is None

@@ -57,6 +57,9 @@ class TestApplied:
         assert orchestrator.automodel is not None
         assert _patched() is not REAL
         assert _patched().__wrapped__ is REAL  # type: ignore[attr-defined]
+        # NeMo-RL's names for the same: its code and tests look for these.
+        assert _patched()._nrl_orig is REAL  # type: ignore[attr-defined]
+        assert _patched()._nrl_vision_patch is True  # type: ignore[attr-defined]
 
     def test_idempotent(self) -> None:
         before = _patched()
