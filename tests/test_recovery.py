@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +15,7 @@ from daemon.base._faults import POINTS
 from daemon.ledger._records import JBegin, JDone, JIntent, JournalRecord, JPromoted
 from daemon.store._journal import Journal
 from orchestrator.protocol import FileEntry
+from tests._files import snapshot
 from tests.conftest import DaemonProcess, LineClient
 
 Factory = Callable[..., DaemonProcess]
@@ -220,3 +222,47 @@ class TestClockSteps:
         assert saves[6]["state"] == "open"
         assert [(r["rank"], r["state"]) for r in saves[6]["ranks"]] == [(0, "done")]
         assert "checkpoint.failed" not in [e["event"] for e in daemon.drain()]
+
+
+class TestLostStateDirectory:
+    """A daemon on an empty state directory finishes what its ranks' word on the root proves."""
+
+    def test_all_ranks_done_promoted_from_the_root(
+        self, daemon_factory: Factory, root: Path
+    ) -> None:
+        daemon = daemon_factory([root], env={"CKPTD_CRASH_AT": "before_intent"})
+        rank0, rank1 = _begin_both(daemon, root, 1)
+        assert rank0.request("done", root=str(root), step=1, rank=0, files=_files(0))["ok"]
+        assert rank1.request("done", root=str(root), step=1, rank=1, files=_files(1))["ok"]
+        assert daemon.proc is not None
+        assert daemon.proc.wait(30) == 137  # died judging it, its ranks long gone
+        daemon.stop()
+        rank0.close()
+        rank1.close()
+
+        # Another socket, another (empty) state directory: a requeued job's node.
+        restarted = daemon_factory([root], socket_name="e.sock")
+        assert restarted.wait_event("save.orphaned")["step"] == 1
+        assert restarted.wait_event("save.adopted")["step"] == 1
+        promoted = restarted.wait_event("checkpoint.promoted", match=lambda e: e["step"] == 1)
+        assert promoted["files"] == 2
+        # Promoted as ``ckptd promote`` would, under a claim, with the verdict it leaves.
+        assert (root / ".ckptd-verdicts").is_dir()
+        shutil.rmtree(root / ".ckptd-verdicts")
+        _assert_promoted_once(root, 1)
+
+    def test_a_rank_not_done_stays_an_orphan(self, daemon_factory: Factory, root: Path) -> None:
+        daemon = daemon_factory([root])
+        rank0, rank1 = _begin_both(daemon, root, 2)
+        assert rank0.request("done", root=str(root), step=2, rank=0, files=_files(0))["ok"]
+        daemon.kill()
+        rank0.close()
+        rank1.close()
+        before = snapshot(root / "tmp_step_2")
+
+        restarted = daemon_factory([root], socket_name="e.sock")
+        assert restarted.wait_event("daemon.recovered")["orphans"] == 1
+        assert restarted.stop() == 0
+        events = [e["event"] for e in restarted.drain()]
+        assert "save.adopted" not in events and "checkpoint.promoted" not in events
+        assert snapshot(root / "tmp_step_2") == before and not (root / "step_2").exists()

@@ -161,6 +161,10 @@ class Recovering(Host, Protocol):
         """Records rebuilding the current state."""
         ...
 
+    async def finish_orphan(self, root: RootConfig, step: int) -> None:
+        """Promote an unknown ``tmp_step_N`` whose node markers say every rank was done."""
+        ...
+
 
 class Coordinating(Host, Protocol):
     """What the coordination of saves that span nodes needs: the attempt directories."""

@@ -10,7 +10,7 @@ from ..host._host import Host
 from ..ledger._saves import SaveRecord, ranges
 from ..store._markers import NodeMarker
 
-__all__ = ["RescueMarkers", "rescue_markers"]
+__all__ = ["RescueMarkers", "done_on_root", "rescue_markers"]
 
 
 class RescueMarkers:
@@ -75,3 +75,27 @@ async def rescue_markers(
             + "; their writes may not have landed",
         )
     return RescueMarkers(world_size, done)
+
+
+async def done_on_root(daemon: Host, root: RootConfig, step: int) -> bool:
+    """Whether ``tmp_step_N``, which no journal knows, is this node's to finish.
+
+    True when its node markers of the attempt its attempt marker names are all ``done``,
+    cover every rank of the step, and this node's marker holds rank 0 (a step that
+    spans nodes is promoted by its leader only). Such a step was complete, by every
+    rank's word, when a daemon that lost its state directory left it: one with the
+    journal would promote it, and so does recovery (through :func:`rescue_markers`).
+    """
+    tmp = root.tmp_dir(step)
+    marker = await daemon.lanes.run(root.path, daemon.storage.read_attempt, tmp, abandon=True)
+    if marker is None:
+        return False
+    found = await daemon.lanes.run(root.path, daemon.storage.read_markers_in, tmp, {}, abandon=True)
+    assert isinstance(found, list)
+    ours = [m for m in found if isinstance(m, NodeMarker) and m.attempt == marker.attempt]
+    if not ours or any(m.state != "done" for m in ours):
+        return False
+    covered = {r for m in ours for r in m.ranks()}
+    leader = [m.node for m in ours if 0 in m.ranks()]
+    world_size = ours[0].world_size
+    return covered == set(range(world_size)) and leader == [daemon.config.node]

@@ -9,6 +9,7 @@ outcome), never redone.
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -26,6 +27,7 @@ from ..config._config import RootConfig
 from ..host._host import Host
 from ..ledger._ledger import SaveKey
 from ..store._fence import ClaimedError
+from ..store._markers import NodeMarker, now_iso
 from ..store._promote import Promotion
 from ..store._storage import Storage
 from ..store._verify import Manifest
@@ -104,6 +106,21 @@ class Promoter:
                 token = anyio.lowlevel.current_token()
                 journal_intent = partial(anyio.from_thread.run, self._intent, key, token=token)
                 intent = None if resumed else journal_intent
+                # A one-node save leaves its ranks' word on the root before it is judged,
+                # as each node of a spanning save does: a daemon that restarts without
+                # its journal finds every rank done there, and promotes as this one would.
+                mark = None
+                if not (resumed or save.spans or source is not None):
+                    mark = NodeMarker(
+                        node=daemon.config.node,
+                        attempt=save.attempt,
+                        step=key.step,
+                        world_size=save.world_size,
+                        local_world_size=save.world_size,
+                        state="done",
+                        files={str(r): list(es) for r, es in save.reported_files().items()},
+                        written=now_iso(),
+                    )
                 manifest, done = await lane.run(
                     _verify_and_promote,
                     storage,
@@ -115,6 +132,7 @@ class Promoter:
                     intent,
                     fence,
                     source,
+                    mark,
                 )
         except ClaimedError as exc:
             daemon.events.emit(
@@ -193,6 +211,7 @@ def _verify_and_promote(
     intent: Callable[[], object] | None,
     fence: tuple[str, str] | None = None,
     source: str | None = None,
+    mark: NodeMarker | None = None,
 ) -> tuple[Manifest, Promotion]:
     """Verify ``tmp_step_N``, then promote it (blocking; one worker thread for both).
 
@@ -200,16 +219,26 @@ def _verify_and_promote(
     before the scan and checked again before and after the rename. With ``fence``
     (node, attempt), the step is claimed first, and the claim dropped if it fails
     verification. ``source`` is the directory to promote if not ``tmp_step_N`` (a
-    rescued attempt's, in the trash).
+    rescued attempt's, in the trash). ``mark``, if given, is written (durably) into
+    ``tmp_step_N`` first.
 
     Raises:
         ClaimedError: another node holds the claim.
+        PromotionError: ``mark`` could not be written.
     """
     tmp = source or root.tmp_dir(step)
     try:
         identity = storage.identity(tmp)
     except FileNotFoundError:
         raise VerificationError(f"{tmp} does not exist") from None
+    if mark is not None:
+        try:
+            storage.write_marker(root, step, mark)
+        except OSError as exc:
+            raise PromotionError(
+                exc.errno or errno.EIO,
+                f"the node marker in {tmp} could not be written: {exc.strerror or exc}",
+            ) from exc
     if fence is not None:
         storage.claim(root, step, *fence, tmp)
     try:

@@ -14,6 +14,7 @@ from ..config._config import RootConfig
 from ..host._host import Recovering
 from ..ledger._ledger import SaveKey
 from ..ledger._records import Replay
+from ..nodes._rescue import done_on_root
 
 __all__ = ["recover", "scan_roots"]
 
@@ -28,9 +29,11 @@ async def recover(daemon: Recovering, replay: Replay) -> None:
     ``done`` complete them); saves whose ranks were all done are verified again; a
     promotion whose intent was journaled is finished exactly once. The journal is then
     compacted to the recovered state. Unknown ``tmp_step_*`` directories are reported as
-    orphans, never touched; each root is scanned in its own lane, and one whose scan has
-    not returned within a second (a hung filesystem) is scanned on in the background
-    rather than waited for (``unscanned`` in ``daemon.recovered``).
+    orphans; one whose node markers say every rank was done is promoted from them on the
+    node that holds rank 0 (its journal was lost), any other is never touched. Each root
+    is scanned in its own lane, and one whose scan has not returned within a second (a
+    hung filesystem) is scanned on in the background rather than waited for
+    (``unscanned`` in ``daemon.recovered``).
     """
     ledger = daemon.ledger
     now, wall = daemon.clock(), time.time()
@@ -127,3 +130,5 @@ async def _scan_root(
             daemon.events.emit(
                 "save.orphaned", "warning", root=root.path, step=step, path=root.tmp_dir(step)
             )
+            if await done_on_root(daemon, root, step) and daemon.ledger.get(key) is None:
+                await daemon.finish_orphan(root, step)

@@ -391,7 +391,7 @@ class Requests:
                 )
             except VerificationError as exc:
                 raise RequestError(p.ErrorCode.UNVERIFIABLE, str(exc)) from None
-        if not manifest.dcp_dirs:
+        if not manifest.dcp_dirs and nodes is None:  # node markers vouch for every rank
             raise RequestError(
                 p.ErrorCode.UNVERIFIABLE,
                 f"{tmp} holds no DCP directory (*.distcp with .metadata): "
@@ -406,6 +406,22 @@ class Requests:
         await self.commit(effects)
         wait = p.Wait(id=request_id, root=root.path, step=step, timeout=wait_s)
         return await self.settled(wait, root)
+
+    async def finish_orphan(self, root: RootConfig, step: int) -> None:
+        """Promote ``tmp_step_N``, which no journal knows, from its node markers.
+
+        For recovery, once :func:`daemon.nodes._rescue.done_on_root` says every rank's
+        word is on the root: a daemon that lost its state directory finishes the step
+        as one with its journal would (DESIGN invariant 10), through the same checks as
+        ``ckptd promote``. A step they cannot verify stays an orphan, and says why.
+        """
+        self.events.emit("save.adopted", root=root.path, step=step, path=root.tmp_dir(step))
+        try:
+            await self._rescue(0, root, step, wait_s=0)
+        except RequestError as exc:
+            self.events.emit(
+                "save.unverifiable", "warning", root=root.path, step=step, reason=str(exc)
+            )
 
     # -- helpers -----------------------------------------------------------------------
 

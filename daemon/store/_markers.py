@@ -344,9 +344,10 @@ def marker_for(save: SaveRecord, node: str, state: NodeState, reason: str = "") 
 def spanning_attempt(root: RootConfig, step: int) -> AttemptMarker | None:
     """The attempt marker of ``tmp_step_N`` if the directory holds node markers.
 
-    Node markers are written only by a save that spans nodes: such a directory belongs
-    to a multi-node attempt, live or left behind. None when there is no directory, no
-    attempt marker or no node marker.
+    Node markers of fewer ranks than the step's are written only by a save that spans
+    nodes: such a directory belongs to a multi-node attempt, live or left behind. None
+    when there is no directory, no attempt marker, or no such node marker (a one-node
+    save's own marker, written once its ranks were done, is not one).
     """
     tmp = root.tmp_dir(step)
     try:
@@ -357,6 +358,11 @@ def spanning_attempt(root: RootConfig, step: int) -> AttemptMarker | None:
         return None
     try:
         with open(os.path.join(tmp, ATTEMPT_MARKER), "rb") as fh:
-            return msgspec.json.decode(fh.read(65536), type=AttemptMarker)
+            found = msgspec.json.decode(fh.read(65536), type=AttemptMarker)
     except (OSError, msgspec.DecodeError, msgspec.ValidationError):
         return None
+    # A one-node save's marker (all its ranks on one node) is no sign of other nodes.
+    markers = [m for m in read_markers_in(tmp, {}) if isinstance(m, NodeMarker)]
+    if markers and all(m.local_world_size >= m.world_size for m in markers):
+        return None
+    return found

@@ -15,11 +15,13 @@ import errno
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -83,6 +85,25 @@ class Result:
         self.violations += [f"{outcome.name}: {v}" for v in outcome.violations]
 
 
+_stateless = False
+
+
+def set_stateless(on: bool) -> None:
+    """Stateless campaigns: every daemon run starts on an empty state directory.
+
+    As a Slurm prolog (which wipes the node's state directory for every job) or a pod's
+    ``emptyDir`` leaves it: only the root and the ranks carry what the daemon knew. Each
+    job (each :class:`Ranks`) then also names its run, as torchrun and Slurm do.
+    """
+    global _stateless
+    _stateless = on
+
+
+def stateless() -> bool:
+    """Whether :func:`set_stateless` is on."""
+    return _stateless
+
+
 class FaultDaemon(DaemonProcess):
     """``ckptd serve`` as a subprocess that may be started, killed and started again.
 
@@ -99,6 +120,8 @@ class FaultDaemon(DaemonProcess):
 
     def launch(self) -> FaultDaemon:
         """Start the process; do not wait for ``daemon.ready``."""
+        if _stateless and self.state_dir is not None and self.state_dir.exists():
+            shutil.rmtree(self.state_dir)
         cmd = [sys.executable, "-m", "daemon", "serve", "--socket", str(self.socket_path)]
         cmd += ["--state-dir", str(self.state_dir)]
         for r in self.roots:
@@ -201,9 +224,13 @@ class Ranks:
         port = free_port()
         self.procs: list[subprocess.Popen[bytes]] = []
         self._pumps: list[threading.Thread] = []
+        run = f"job-{uuid.uuid4().hex[:8]}"
         for rank in range(world):
             cmd = [str(script), "--root", str(root), *args]
             extra = rank_env(rank) if rank_env else None
+            if _stateless:
+                named = {"TORCHELASTIC_RUN_ID": run, "TORCHELASTIC_RESTART_COUNT": "0"}
+                extra = {**named, **(extra or {})}
             proc = start_rank(cmd, rank, world, port, socket_path, extra)
             self.procs.append(proc)
             self._pumps.append(pump_lines(proc, rank, self.lines.put))

@@ -42,11 +42,14 @@ from daemon.base._faults import POINTS
 from tests._dcp_worker import state_for
 from tests.conftest import LineClient
 from tests.faults.harness import FaultDaemon, Ranks, Result, check_root_at_rest, step_dirs
+from tests.faults.harness import stateless as harness_stateless
 
 __all__ = ["run_kill_campaign"]
 
 _WORLD = 2
 _NUMEL = 256
+_SETTLE_S = 120.0
+"""Seconds the end of the campaign waits for each step completed by every rank to settle."""
 _RESEND_S = 15.0
 """Seconds a stateless run gives the ranks to reconnect and re-send their saves."""
 
@@ -242,7 +245,7 @@ def run_kill_campaign(
     max_delay: float = 1.0,
     train_s: float = 0.05,
     progress: Callable[[str], None] = lambda _m: None,
-    stateless: bool = False,
+    stateless: bool | None = None,
 ) -> Result:
     """Kill and restart the daemon ``trials`` times under a streaming 2-rank DCP job.
 
@@ -255,7 +258,9 @@ def run_kill_campaign(
         progress: Called with a line of progress now and then.
         stateless: Start every daemon run on an empty state directory (a Slurm
             prolog's, a pod's emptyDir): only the root and the ranks carry the facts.
+            None: as :func:`tests.faults.harness.set_stateless` says.
     """
+    stateless = harness_stateless() if stateless is None else stateless
     started = time.monotonic()
     c = _Campaign(workdir, random.Random(seed), progress, stateless=stateless)
     stop = workdir / "stop"
@@ -263,7 +268,9 @@ def run_kill_campaign(
     daemon = c.launch(env)
     assert daemon.ready(60)
     job = ["--stream", str(stop), "--numel", str(_NUMEL), "--train-s", str(train_s)]
-    ranks = Ranks(daemon.socket_path, c.root, _WORLD, *job)
+    # Every launcher names its run (torchrun, Slurm): the root tells its attempts apart.
+    run = {"TORCHELASTIC_RUN_ID": f"kill-{seed}", "TORCHELASTIC_RESTART_COUNT": "0"}
+    ranks = Ranks(daemon.socket_path, c.root, _WORLD, *job, rank_env=lambda _r: run)
     try:
         daemon.wait_event("checkpoint.promoted", timeout=180)  # the stream flows
         for _ in range(trials):
@@ -316,7 +323,7 @@ def _finish(c: _Campaign, daemon: FaultDaemon, ranks: Ranks, stop: Path, kind: s
     c.check_acknowledged(daemon, ranks)
     with LineClient(daemon.socket_path, timeout=180) as client:
         for step in completed:
-            reply = client.request("wait", root=str(c.root), step=step, timeout=120)
+            reply = client.request("wait", root=str(c.root), step=step, timeout=_SETTLE_S)
             if reply.get("state") == "failed":
                 c.failed.setdefault(step, str(reply.get("reason")))
             elif reply.get("state") != "promoted":

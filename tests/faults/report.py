@@ -117,11 +117,16 @@ def render(results: list[Result], info: dict[str, Any], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def replace_section(doc: Path, section: str) -> None:
-    """Put ``section`` between the markers of ``doc`` (appended, with markers, if absent)."""
+def replace_section(doc: Path, section: str, name: str = "figures") -> None:
+    """Put ``section`` between the markers of ``doc`` (appended, with markers, if absent).
+
+    ``name`` tells the sections apart: ``figures`` (the campaigns as they are) and
+    ``figures-stateless`` (every state directory wiped between daemon runs).
+    """
     text = doc.read_text() if doc.exists() else ""
-    block = f"{BEGIN}\n\n{section}\n{END}"
-    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.DOTALL)
+    begin, end = (m.replace("figures:", f"{name}:", 1) for m in (BEGIN, END))
+    block = f"{begin}\n\n{section}\n{end}"
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
     if pattern.search(text):
         text = pattern.sub(lambda _m: block, text)
     else:
