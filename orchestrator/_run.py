@@ -7,7 +7,10 @@ this name. The client takes it, in this order, from:
 
 1. an explicit ``run`` argument (it always wins);
 2. torchelastic's ``TORCHELASTIC_RUN_ID`` and ``TORCHELASTIC_RESTART_COUNT`` (torchrun
-   sets both; ``--standalone`` draws a new run id at each launch);
+   sets both; ``--standalone``, and a one-node launch without a rendezvous endpoint,
+   draw a new run id at each launch). torchrun's default id ``none`` (a static
+   rendezvous across nodes without ``--rdzv-id``) is the same at every launch and names
+   no run: give such jobs a ``--rdzv-id`` of their own per launch, or ``run=``;
 3. Slurm's ``SLURM_JOB_ID`` and ``SLURM_RESTART_COUNT`` (a requeue keeps the job id and
    counts the restart).
 
@@ -35,6 +38,8 @@ RUN_VARS: Final = (
 )
 """The environment variables read."""
 
+_ELASTIC_DEFAULT: Final = "none"
+"""torchrun's ``--rdzv-id`` default: the same at every launch, so it names no run."""
 _RUN_ID: Final = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
@@ -56,7 +61,7 @@ def run_identity(explicit: str | None = None, env: Mapping[str, str] | None = No
         return explicit
     env = os.environ if env is None else env
     elastic = env.get("TORCHELASTIC_RUN_ID")
-    if elastic:
+    if elastic and elastic != _ELASTIC_DEFAULT:
         return _fit(f"torchelastic:{elastic}:{env.get('TORCHELASTIC_RESTART_COUNT', '0')}")
     job = env.get("SLURM_JOB_ID")
     if job:

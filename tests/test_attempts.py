@@ -39,8 +39,12 @@ def _entry(tmp: Path, rel: str, data: bytes) -> dict[str, Any]:
 
 
 def _files(checkpoint: Path) -> list[str]:
+    # The node's marker (its ranks' done, written before the step was judged) is named
+    # after the host: listed by its prefix.
     return sorted(
-        os.path.relpath(os.path.join(d, f), checkpoint)
+        ".ckptd-node-*"
+        if f.startswith(".ckptd-node-")
+        else os.path.relpath(os.path.join(d, f), checkpoint)
         for d, _dirs, files in os.walk(checkpoint)
         for f in files
     )
@@ -133,6 +137,7 @@ class TestRetriedStep:
         assert _files(root / "step_7") == [
             ".ckptd-attempt",
             ".ckptd-manifest.json",
+            ".ckptd-node-*",
             "new_shard",
             "training_info.json",
         ]
@@ -194,7 +199,12 @@ class TestLostJournal:
             assert rank.request("wait", root=str(root), step=9, timeout=TIMEOUT)["state"] == (
                 "promoted"
             )
-        assert _files(root / "step_9") == [".ckptd-attempt", ".ckptd-manifest.json", "new_shard"]
+        assert _files(root / "step_9") == [
+            ".ckptd-attempt",
+            ".ckptd-manifest.json",
+            ".ckptd-node-*",
+            "new_shard",
+        ]
 
     def test_unmarked_files_are_the_new_attempts(self, daemon_factory: Factory, root: Path) -> None:
         daemon = daemon_factory([root])

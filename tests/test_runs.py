@@ -45,6 +45,12 @@ class TestRunIdentity:
     def test_none_without_a_source(self) -> None:
         assert run_identity(None, {}) is None
 
+    def test_torchruns_default_id_names_no_run(self) -> None:
+        # A static rendezvous across nodes without --rdzv-id: "none" at every launch.
+        env = {"TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_RESTART_COUNT": "0"}
+        assert run_identity(None, env) is None
+        assert run_identity(None, {**env, "SLURM_JOB_ID": "77"}) == "slurm:77:0"
+
     def test_an_id_that_does_not_fit_becomes_its_digest(self) -> None:
         env = {"TORCHELASTIC_RUN_ID": "a run / with spaces"}
         found = run_identity(None, env)

@@ -110,7 +110,7 @@ class Promoter:
                 # as each node of a spanning save does: a daemon that restarts without
                 # its journal finds every rank done there, and promotes as this one would.
                 mark = None
-                if not (resumed or save.spans or source is not None):
+                if not (resumed or save.spans or save.rescued):  # a rescue: an operator's word
                     mark = NodeMarker(
                         node=daemon.config.node,
                         attempt=save.attempt,
@@ -231,14 +231,12 @@ def _verify_and_promote(
         identity = storage.identity(tmp)
     except FileNotFoundError:
         raise VerificationError(f"{tmp} does not exist") from None
+    unmarked: OSError | None = None
     if mark is not None:
         try:
             storage.write_marker(root, step, mark)
         except OSError as exc:
-            raise PromotionError(
-                exc.errno or errno.EIO,
-                f"the node marker in {tmp} could not be written: {exc.strerror or exc}",
-            ) from exc
+            unmarked = exc  # verification's reason comes first: it says more
     if fence is not None:
         storage.claim(root, step, *fence, tmp)
     try:
@@ -247,6 +245,11 @@ def _verify_and_promote(
         if fence is not None:
             storage.release(root, step, *fence, tmp)
         raise
+    if unmarked is not None:  # never promoted without its ranks' word on the root
+        raise PromotionError(
+            unmarked.errno or errno.EIO,
+            f"write node marker failed for {tmp}: {unmarked.strerror or unmarked}",
+        )
     node = None if fence is None else fence[0]
     done = storage.promote(
         root,

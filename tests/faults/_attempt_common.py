@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from daemon import verify_checkpoint
 from daemon.store._attempts import TRASH
+from daemon.store._markers import NODE_PREFIX
 from daemon.store._verify import MANIFEST_NAME
 from orchestrator.protocol import ATTEMPT_MARKER
 from tests.conftest import REPO
@@ -176,8 +177,10 @@ def tree(path: Path) -> dict[str, tuple[int, str]]:
 
 
 def digests(path: Path) -> dict[str, str]:
-    """A step directory's files but ckptd's own (manifest, attempt marker): name to hash."""
-    return {k: v[1] for k, v in tree(path).items() if k not in _OURS}
+    """A step directory's files but ckptd's own (manifest, attempt and node markers)."""
+    return {
+        k: v[1] for k, v in tree(path).items() if k not in _OURS and not k.startswith(NODE_PREFIX)
+    }
 
 
 def in_trash(root: Path, step: int, attempt: str) -> dict[str, str]:

@@ -125,10 +125,10 @@ def _dcp_step(client: LineClient, root: Path, step: int) -> list[dict[str, Any]]
 
 
 def enospc_during_promotion(workdir: Path) -> Outcome:
-    """The checkpoint filesystem is full when promotion writes the manifest."""
+    """The checkpoint filesystem is full when promotion writes its first file."""
     out = Outcome(
         "filesystem full when promotion starts (4 MiB tmpfs)",
-        "checkpoint.failed 'promotion failed: write manifest failed ...: No space left on "
+        "checkpoint.failed 'promotion failed: write node marker failed ...: No space left on "
         "device'; nothing visible as step_N; the failed attempt's directory set aside "
         "intact (no manifest, no temporary file); step_1 untouched; the daemon keeps serving",
     )
@@ -149,7 +149,7 @@ def enospc_during_promotion(workdir: Path) -> Outcome:
         reason = out.evidence["reason"] = str(second.get("reason"))
         _expect(out, first["state"] == "promoted" and done["ok"], f"step 1 {first}, done {done}")
         _expect(out, second["state"] == "failed", f"step 2: {second}")
-        _expect(out, "write manifest" in reason and _NO_SPACE in reason, f"reason: {reason}")
+        _expect(out, "write node marker" in reason and _NO_SPACE in reason, f"reason: {reason}")
         _expect(out, not (mnt / "step_2").exists(), "step_2 visible")
         # A failed attempt's directory goes into the root's trash (guarantees 4a).
         aside = [p for p in (mnt / TRASH).glob("tmp_step_2.attempt-*") if p.is_dir()]

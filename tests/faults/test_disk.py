@@ -29,4 +29,4 @@ class TestDiskFaults:
         except MountRefused as exc:
             pytest.skip(f"needs a real tmpfs: {exc.strerror}")
         # docs/events.md: `promotion failed: <stage> failed for <dir>: <error>`
-        assert outcome.evidence["reason"].startswith("promotion failed: write manifest failed")
+        assert outcome.evidence["reason"].startswith("promotion failed: write node marker failed")
