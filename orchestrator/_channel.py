@@ -14,7 +14,8 @@ holds the step). After a reconnect, the open saves' begins are re-sent with thei
 attempt before everything else that was not acknowledged.
 
 A save's record is not forgotten when its ``done`` (or ``fail``) is acknowledged: the
-last :data:`KEEP_SETTLED` of them are kept, and after a reconnect each is re-sent too, a
+last :data:`KEEP_SETTLED` of them, and any ended in the last :data:`KEEP_SETTLED_S`
+seconds (at most :data:`KEEP_SETTLED_MAX`), are kept, and after a reconnect each is re-sent too, a
 ``begin`` naming its attempt and then, unless the daemon answers that the step is
 already promoted or refuses it, the ``done`` again. A daemon with its journal already
 knows them (both are idempotent); one that restarted on an empty state directory (a
@@ -33,6 +34,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from typing import Any, Final
 
 import msgspec
@@ -42,7 +44,7 @@ from ._errors import DaemonError
 from ._layout import Layouts
 from ._wire import Barrier, Outgoing, ReplyLines, SaveRecord, TooLong, reply_id
 
-__all__ = ["KEEP_SETTLED", "Channel"]
+__all__ = ["KEEP_SETTLED", "KEEP_SETTLED_MAX", "KEEP_SETTLED_S", "Channel"]
 
 log = logging.getLogger("orchestrator")
 
@@ -51,10 +53,14 @@ _RETRY_UNAVAILABLE: Final = 0.5
 _BACKOFF_START: Final = 0.05
 _CHUNK: Final = 1 << 16
 KEEP_SETTLED: Final = 16
-"""Saves whose ``done``/``fail`` was acknowledged that are re-sent after a reconnect.
+"""Saves whose ``done``/``fail`` was acknowledged that are always re-sent after a reconnect.
 
 A rank has one or two saves in flight at a time; sixteen covers any save still being
 verified or promoted, with room for a daemon that is slow to settle them."""
+KEEP_SETTLED_S: Final = 600.0
+"""Beyond :data:`KEEP_SETTLED`, ended saves are kept this many seconds (a job that saves
+every few seconds may have a backlog of promotions), up to :data:`KEEP_SETTLED_MAX`."""
+KEEP_SETTLED_MAX: Final = 1024
 
 
 class Channel:
@@ -372,11 +378,15 @@ class Channel:
         self._wake_drained()
 
     def _keep_settled(self, record: SaveRecord, outgoing: Outgoing) -> None:
-        record.settled, record.replayed = outgoing, False
+        now = time.monotonic()
+        record.settled, record.replayed, record.ended = outgoing, False, now
         self._settled.pop(record.key, None)
         self._settled[record.key] = record
         while len(self._settled) > KEEP_SETTLED:
-            del self._settled[next(iter(self._settled))]
+            oldest = self._settled[next(iter(self._settled))]
+            if len(self._settled) <= KEEP_SETTLED_MAX and oldest.ended > now - KEEP_SETTLED_S:
+                break
+            del self._settled[oldest.key]
 
     def _answered(self, record: SaveRecord, begin: p.Begin, reply: dict[str, Any]) -> None:
         if record.replayed and (not reply.get("ok") or reply.get("state") == "promoted"):

@@ -48,6 +48,7 @@ class SaveRecord:
             that restarts without its state directory learns it again.
         replayed: Re-sent after a reconnect although this rank's part had ended: a
             refusal or a promoted answer then only means the daemon already knew.
+        ended: When (monotonic) its ``done``/``fail`` was acknowledged.
     """
 
     root: str
@@ -61,6 +62,7 @@ class SaveRecord:
     held: list[Outgoing] = field(default_factory=list)
     settled: Outgoing | None = None
     replayed: bool = False
+    ended: float = 0.0
 
     @property
     def key(self) -> tuple[str, int, int]:

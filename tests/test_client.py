@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -68,6 +69,31 @@ class TestReconnect:
             assert client.wait(str(root), 1, 30.0).state == "promoted"
         finally:
             client.close(timeout=5.0)
+
+    def test_daemon_restart_on_an_empty_state_directory(
+        self, daemon_factory: Callable[..., DaemonProcess], short_dir: Path, root: Path
+    ) -> None:
+        daemon = daemon_factory([root])
+        first = CheckpointClient(str(daemon.socket_path), begin_timeout=10.0, run="job-1")
+        second = CheckpointClient(str(daemon.socket_path), begin_timeout=10.0, run="job-1")
+        try:
+            assert first.begin(str(root), 7, 0, 2).acknowledged
+            (root / "tmp_step_7" / "r0.bin").write_bytes(b"0" * 10)
+            first.done(str(root), 7, 0, [FileEntry("r0.bin", 10)])
+            daemon.wait_event("save.rank_done", match=lambda e: e["rank"] == 0)
+            daemon.kill()
+            shutil.rmtree(daemon.state_dir)  # a requeue's prolog: only the root is left
+            restarted = daemon_factory([root])
+            # Rank 0 re-sends its ended save: begin naming the attempt, then its done.
+            restarted.wait_event("save.rank_done", match=lambda e: e["rank"] == 0)
+            assert second.begin(str(root), 7, 1, 2).acknowledged  # joins the run's attempt
+            (root / "tmp_step_7" / "r1.bin").write_bytes(b"1" * 10)
+            second.done(str(root), 7, 1, [FileEntry("r1.bin", 10)])
+            assert second.wait(str(root), 7, 30.0).state == "promoted"
+        finally:
+            first.close(timeout=5.0)
+            second.close(timeout=5.0)
+        assert sorted(p.name for p in (root / "step_7").glob("r*.bin")) == ["r0.bin", "r1.bin"]
 
     def test_daemon_restart_mid_save(
         self, daemon_factory: Callable[..., DaemonProcess], short_dir: Path, root: Path

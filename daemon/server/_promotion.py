@@ -70,14 +70,47 @@ class Promoter:
             with anyio.CancelScope(shield=True):
                 root = self._daemon.configured(key.root)
                 with self._daemon.trash.pause(root):  # deletion waits for promotions
+                    unmarked = await self._mark(root, key)
                     async with self._daemon.root_locks[root.path]:
-                        await self._promote_locked(root, key)
+                        await self._promote_locked(root, key, unmarked)
         finally:
             self._running -= 1
             if not self._running:
                 self._idle.set()
 
-    async def _promote_locked(self, root: RootConfig, key: SaveKey) -> None:
+    async def _mark(self, root: RootConfig, key: SaveKey) -> OSError | None:
+        """Leave a one-node save's ranks' word on the root, before it waits its turn.
+
+        A save whose ranks are all done is judged once the promotions before it on its
+        root are; its node marker is written at once (in the root's lane, behind at most
+        the promotion running there), as each node of a spanning save writes its own: a
+        daemon that restarts without its journal finds every rank done there, and
+        promotes as this one would. The error, if any, fails the save once verification
+        has had its say.
+        """
+        daemon = self._daemon
+        save = daemon.ledger.get(key)
+        if save is None or save.state is not p.SaveState.VERIFYING or save.spans or save.rescued:
+            return None  # resumed (marked before), spanning (its own markers), or a rescue
+        marker = NodeMarker(
+            node=daemon.config.node,
+            attempt=save.attempt,
+            step=key.step,
+            world_size=save.world_size,
+            local_world_size=save.world_size,
+            state="done",
+            files={str(r): list(es) for r, es in save.reported_files().items()},
+            written=now_iso(),
+        )
+        try:
+            await daemon.lanes[root.path].run(daemon.storage.write_marker, root, key.step, marker)
+        except OSError as exc:
+            return exc
+        return None
+
+    async def _promote_locked(
+        self, root: RootConfig, key: SaveKey, unmarked: OSError | None = None
+    ) -> None:
         daemon, ledger, storage = self._daemon, self._daemon.ledger, self._daemon.storage
         save = ledger.get(key)
         if save is None or save.state not in (p.SaveState.VERIFYING, p.SaveState.PROMOTING):
@@ -106,21 +139,6 @@ class Promoter:
                 token = anyio.lowlevel.current_token()
                 journal_intent = partial(anyio.from_thread.run, self._intent, key, token=token)
                 intent = None if resumed else journal_intent
-                # A one-node save leaves its ranks' word on the root before it is judged,
-                # as each node of a spanning save does: a daemon that restarts without
-                # its journal finds every rank done there, and promotes as this one would.
-                mark = None
-                if not (resumed or save.spans or save.rescued):  # a rescue: an operator's word
-                    mark = NodeMarker(
-                        node=daemon.config.node,
-                        attempt=save.attempt,
-                        step=key.step,
-                        world_size=save.world_size,
-                        local_world_size=save.world_size,
-                        state="done",
-                        files={str(r): list(es) for r, es in save.reported_files().items()},
-                        written=now_iso(),
-                    )
                 manifest, done = await lane.run(
                     _verify_and_promote,
                     storage,
@@ -132,7 +150,7 @@ class Promoter:
                     intent,
                     fence,
                     source,
-                    mark,
+                    unmarked,
                 )
         except ClaimedError as exc:
             daemon.events.emit(
@@ -211,7 +229,7 @@ def _verify_and_promote(
     intent: Callable[[], object] | None,
     fence: tuple[str, str] | None = None,
     source: str | None = None,
-    mark: NodeMarker | None = None,
+    unmarked: OSError | None = None,
 ) -> tuple[Manifest, Promotion]:
     """Verify ``tmp_step_N``, then promote it (blocking; one worker thread for both).
 
@@ -219,24 +237,18 @@ def _verify_and_promote(
     before the scan and checked again before and after the rename. With ``fence``
     (node, attempt), the step is claimed first, and the claim dropped if it fails
     verification. ``source`` is the directory to promote if not ``tmp_step_N`` (a
-    rescued attempt's, in the trash). ``mark``, if given, is written (durably) into
-    ``tmp_step_N`` first.
+    rescued attempt's, in the trash). ``unmarked``: why the save's node marker could
+    not be written; it fails the save once verification passes.
 
     Raises:
         ClaimedError: another node holds the claim.
-        PromotionError: ``mark`` could not be written.
+        PromotionError: the node marker could not be written (``unmarked``).
     """
     tmp = source or root.tmp_dir(step)
     try:
         identity = storage.identity(tmp)
     except FileNotFoundError:
         raise VerificationError(f"{tmp} does not exist") from None
-    unmarked: OSError | None = None
-    if mark is not None:
-        try:
-            storage.write_marker(root, step, mark)
-        except OSError as exc:
-            unmarked = exc  # verification's reason comes first: it says more
     if fence is not None:
         storage.claim(root, step, *fence, tmp)
     try:

@@ -85,6 +85,7 @@ class _Campaign:
         self.resumed = 0
         self.acked: set[tuple[int, int, str]] = set()
         self.settled: set[int] = set()
+        self.reported: set[str] = set()
 
     # -- daemon runs -----------------------------------------------------------------
 
@@ -164,7 +165,9 @@ class _Campaign:
                 break
             with contextlib.suppress(AssertionError):  # a re-sent begin, or time passes
                 daemon.wait_event("save.begun", timeout=0.2)
-        self.result.violations.extend(lost)
+        # A loss is reported once, however many later checks still see it.
+        self.result.violations.extend(m for m in lost if m not in self.reported)
+        self.reported.update(lost)
 
     def _lost(self, daemon: FaultDaemon) -> list[str]:
         saves = {s["step"]: s for s in daemon.request("status", root=str(self.root))["saves"]}
