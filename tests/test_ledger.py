@@ -1287,3 +1287,23 @@ LedgerMachine.TestCase.settings = settings(
 
 class TestRandomInterleavings(LedgerMachine.TestCase):  # type: ignore[misc,valid-type]
     """Random interleavings keep every promise of the ledger (see LedgerMachine)."""
+
+
+class TestDoneNamingTheAttempt:
+    """A done naming the open attempt proves its rank's begin, which a lost state forgot."""
+
+    def test_accepted_as_begun_and_done(self) -> None:
+        ledger = make_ledger()
+        ledger.begin(KEY, 0, 2, conn=1, now=0.0, fresh="a1")
+        effects = ledger.done(KEY, 1, [FileEntry("r1.bin", 5)], conn=2, now=1.0, attempt="a1")
+        assert names(effects)[:2] == ["save.begun", "save.rank_done"]
+        ledger.done(KEY, 0, [FileEntry("r0.bin", 5)], conn=1, now=2.0)
+        assert state(ledger) is SaveState.VERIFYING
+
+    def test_without_the_attempt_not_begun(self) -> None:
+        ledger = make_ledger()
+        ledger.begin(KEY, 0, 2, conn=1, now=0.0, fresh="a1")
+        for attempt in (None, "other"):
+            with pytest.raises(RequestError) as err:
+                ledger.done(KEY, 1, [], conn=2, now=1.0, attempt=attempt)
+            assert err.value.code in (ErrorCode.NOT_BEGUN, ErrorCode.STALE_ATTEMPT)

@@ -264,6 +264,7 @@ class Ledger(Deadlines, SpanningLedger, Outcomes):
             RequestError: the rank never began, already failed, the step failed, or
                 ``attempt`` is not the step's current attempt.
         """
+        begun = self._implied_begin(key, rank, conn, now, attempt)
         save, record = self._rank(key, rank, attempt)
         if record.state is RankState.DONE:
             return []
@@ -283,6 +284,7 @@ class Ledger(Deadlines, SpanningLedger, Outcomes):
         self._detach(record.conn, key, rank)
         record.conn = conn
         effects: list[Effect] = [
+            *begun,
             Emit(
                 "save.rank_done",
                 {**_ids(key, rank), "files": len(files), "bytes": sum(f.size for f in files)},

@@ -47,6 +47,18 @@ class Outcomes:
 
         def _record(self, record: JournalRecord) -> None: ...
 
+        def begin(
+            self,
+            key: SaveKey,
+            rank: int,
+            world_size: int,
+            conn: int | None,
+            now: float,
+            *,
+            attempt: str | None = None,
+            run: str | None = None,
+        ) -> list[Effect]: ...
+
     def rescue(
         self, key: SaveKey, now: float, *, attempt: str = "", world_size: int = 0
     ) -> list[Effect]:
@@ -113,6 +125,30 @@ class Outcomes:
             "previous": str(previous),
         }
         return [Emit("checkpoint.rescue", event, "warning"), Verify(key)]
+
+    def _implied_begin(
+        self, key: SaveKey, rank: int, conn: int | None, now: float, attempt: str | None
+    ) -> list[Effect]:
+        """Begin ``rank`` for a ``done`` naming the open one-node attempt it never began here.
+
+        A rank learns an attempt's id only from a ``begin`` of it that was answered: its
+        ``done`` naming the attempt proves that begin, which a daemon that lost its state
+        directory (and took the attempt over from the root) never saw.
+        """
+        save = self._saves.get(key)
+        if (
+            save is None
+            or not attempt
+            or attempt != save.attempt
+            or rank in save.ranks
+            or save.state is not SaveState.OPEN
+            or save.spans
+            or not 0 <= rank < save.world_size
+        ):
+            return []
+        return self.begin(
+            key, rank, save.world_size, conn, now, attempt=attempt, run=save.run or None
+        )
 
     def _reattach(
         self, save: SaveRecord, rank: int, record: RankRecord, conn: int | None

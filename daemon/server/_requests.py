@@ -198,7 +198,7 @@ class Requests(Rescues):
                     attempt=found.attempt,
                 )
             fresh, age = found.attempt, found.age_s
-            await self._admit(root, key)
+            await self._admit(root, key, adopting=True)
             lws = request.local_world_size
             if lws is None or lws >= request.world_size:
                 await self._single_node(root, request)
@@ -242,14 +242,18 @@ class Requests(Rescues):
             id=request.id, path=root.tmp_dir(key.step), state=save.state, attempt=save.attempt
         )
 
-    async def _admit(self, root: RootConfig, key: SaveKey) -> None:
+    async def _admit(self, root: RootConfig, key: SaveKey, *, adopting: bool = False) -> None:
         """Checks before a new save (or a new attempt at a failed one) may begin.
+
+        ``adopting``: the save is an attempt the root shows begun (its daemon lost its
+        state); it was admitted then, and is not counted against ``max_open_saves`` again
+        (the daemon with the journal would have it already).
 
         Raises:
             RequestError: too many saves in flight, gc is removing the step, or its
                 directories are unusable.
         """
-        if self.ledger.unsettled >= self.config.max_open_saves:
+        if not adopting and self.ledger.unsettled >= self.config.max_open_saves:
             raise RequestError(
                 p.ErrorCode.TOO_BUSY,
                 f"{self.ledger.unsettled} saves already in flight; retry later",
