@@ -288,7 +288,7 @@ class Ledger(Deadlines, SpanningLedger, Outcomes):
             Emit(
                 "save.rank_done",
                 {**_ids(key, rank), "files": len(files), "bytes": sum(f.size for f in files)},
-            )
+            ),
         ]
         if save.spans:
             effects += self._after_local_done(save)
