@@ -37,6 +37,15 @@ def _files(rank: int) -> list[dict[str, object]]:
     return [{"path": f"model/shard{rank}.bin", "size": 1000}]
 
 
+def _rank0_done_then_killed(daemon: DaemonProcess, root: Path, step: int) -> None:
+    """Both ranks begin ``step``, rank 0 is done, then the daemon is SIGKILLed."""
+    rank0, rank1 = _begin_both(daemon, root, step)
+    assert rank0.request("done", root=str(root), step=step, rank=0, files=_files(0))["ok"]
+    daemon.kill()
+    rank0.close()
+    rank1.close()
+
+
 def _assert_promoted_once(root: Path, step: int) -> None:
     assert (root / f"step_{step}").is_dir()
     assert not (root / f"tmp_step_{step}").exists()
@@ -96,11 +105,7 @@ class TestCrashWhileSaving:
 
     def test_acknowledged_done_survives(self, daemon_factory: Factory, root: Path) -> None:
         daemon = daemon_factory([root])
-        rank0, rank1 = _begin_both(daemon, root, 3)
-        assert rank0.request("done", root=str(root), step=3, rank=0, files=_files(0))["ok"]
-        daemon.kill()
-        rank0.close()
-        rank1.close()
+        _rank0_done_then_killed(daemon, root, 3)
 
         restarted = daemon_factory([root])
         recovered = restarted.wait_event("daemon.recovered")
@@ -253,11 +258,7 @@ class TestLostStateDirectory:
 
     def test_a_rank_not_done_stays_an_orphan(self, daemon_factory: Factory, root: Path) -> None:
         daemon = daemon_factory([root])
-        rank0, rank1 = _begin_both(daemon, root, 2)
-        assert rank0.request("done", root=str(root), step=2, rank=0, files=_files(0))["ok"]
-        daemon.kill()
-        rank0.close()
-        rank1.close()
+        _rank0_done_then_killed(daemon, root, 2)
         before = snapshot(root / "tmp_step_2")
 
         restarted = daemon_factory([root], socket_name="e.sock")
