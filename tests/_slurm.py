@@ -20,13 +20,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -84,12 +84,17 @@ def _stop_pid_file(path: Path, timeout: float = 10.0) -> None:
         return
     if not pid_alive(pid):
         return
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while pid_alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if pid_alive(pid):
-        os.kill(pid, signal.SIGKILL)
+    try:
+        handle = os.pidfd_open(pid)  # readable once the process has ended (not our child)
+    except ProcessLookupError:
+        return
+    try:
+        os.kill(pid, signal.SIGTERM)
+        ended, _, _ = select.select([handle], [], [], timeout)
+        if not ended and pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        os.close(handle)
 
 
 class SlurmCluster:

@@ -106,6 +106,9 @@ class Promoter:
             await daemon.lanes[root.path].run(daemon.storage.write_marker, root, key.step, marker)
         except OSError as exc:
             return exc
+        except Exception as exc:  # a bug must fail the save (below), not leave it verifying
+            daemon.events.emit("daemon.internal_error", "error", where="mark", error=repr(exc))
+            return OSError(errno.EIO, f"internal error: {exc!r}")
         return None
 
     async def _promote_locked(

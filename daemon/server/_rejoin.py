@@ -14,8 +14,10 @@ as the one with the journal would (DESIGN invariant 10): from the root.
 - Neither: the attempt is gone (failed and set aside, or removed by hand or by gc).
   The begin is refused as stale; nothing is created for it.
 
-A first ``begin`` (no attempt named) of a run whose attempt ``tmp_step_N``'s marker names
-joins that attempt: another rank of the same run began it and had it acknowledged by the
+A first one-node ``begin`` (no attempt named) of a run whose attempt ``tmp_step_N``'s
+marker names joins that attempt (a node of a spanning save joins its leader's attempt as
+``daemon/nodes`` decides, and a re-sent ``begin`` of one is refused if the leader's
+verdict failed it): another rank of the same run began it and had it acknowledged by the
 daemon that lost its state. Without a run identity the root cannot tell a live attempt
 from a dead one, and such a ``begin`` starts a new attempt as before (the documented
 limit of unnamed runs).
@@ -74,6 +76,9 @@ def rejoin(storage: Storage, root: RootConfig, request: p.Begin) -> Rejoin | Non
     """
     if not request.attempt and not request.run:
         return None  # an unnamed run: the root cannot tell its attempts apart
+    spans = request.local_world_size is not None and request.local_world_size < request.world_size
+    if not request.attempt and spans:
+        return None  # a node joins a spanning attempt by its leader's marker (nodes/)
     marker = storage.read_attempt(root.tmp_dir(request.step))
     if not request.attempt:
         if (
@@ -90,6 +95,12 @@ def rejoin(storage: Storage, root: RootConfig, request: p.Begin) -> Rejoin | Non
                 p.ErrorCode.RUN_CONFLICT,
                 f"attempt {attempt} of step {request.step} belongs to run "
                 f"{marker.run or '(unnamed)'}, not {request.run or '(unnamed)'}",
+            )
+        verdict = storage.read_verdict(root, request.step, attempt) if spans else None
+        if verdict is not None and verdict.state == "failed":
+            raise RequestError(
+                p.ErrorCode.STEP_FAILED,
+                f"attempt {attempt} of step {request.step} failed: {verdict.reason}",
             )
         return Rejoin(attempt=attempt, age_s=_age(marker.created))
     if storage.promoted(root, request.step):

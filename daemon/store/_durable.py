@@ -10,7 +10,7 @@ import errno
 import os
 import uuid
 
-__all__ = ["fsync_dir", "probe_write", "write_atomic"]
+__all__ = ["fsync_dir", "make_dir", "probe_write", "write_atomic"]
 
 
 def write_atomic(path: str, data: bytes, *, sync_dir: bool = True) -> None:
@@ -51,6 +51,22 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def make_dir(parent: str, name: str) -> str:
+    """``parent/name``, created (mode 0755) if missing, with ``parent`` fsynced if it was.
+
+    Returns:
+        The directory's path.
+    """
+    directory = os.path.join(parent, name)
+    try:
+        os.mkdir(directory, 0o755)
+    except FileExistsError:
+        pass
+    else:
+        fsync_dir(parent)
+    return directory
 
 
 def probe_write(directory: str) -> None:

@@ -18,7 +18,7 @@ from typing import Final
 import msgspec
 
 from ..config._config import RootConfig
-from ._durable import fsync_dir, write_atomic
+from ._durable import fsync_dir, make_dir, write_atomic
 
 __all__ = [
     "FACTS_DIR",
@@ -62,13 +62,7 @@ def facts_path(root: RootConfig, step: int) -> str:
 
 def write_facts(root: RootConfig, facts: StepRetention) -> None:
     """Record ``facts`` on the root, durably (directory created and fsynced if new)."""
-    directory = os.path.join(root.path, FACTS_DIR)
-    try:
-        os.mkdir(directory, 0o755)
-    except FileExistsError:
-        pass
-    else:
-        fsync_dir(root.path)
+    make_dir(root.path, FACTS_DIR)
     write_atomic(facts_path(root, facts.step), msgspec.json.encode(facts))
 
 

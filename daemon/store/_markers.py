@@ -34,7 +34,7 @@ from orchestrator.protocol import ATTEMPT_MARKER, AttemptMarker, FileEntry
 
 from ..config._config import RootConfig
 from ..ledger._saves import SaveRecord
-from ._durable import fsync_dir, write_atomic
+from ._durable import make_dir, write_atomic
 
 __all__ = [
     "CLAIM",
@@ -238,13 +238,7 @@ def write_verdict(
     Raises:
         OSError: it cannot be written.
     """
-    directory = os.path.join(root.path, VERDICTS)
-    try:
-        os.mkdir(directory, 0o755)
-    except FileExistsError:
-        pass
-    else:
-        fsync_dir(root.path)
+    make_dir(root.path, VERDICTS)
     state: Literal["failed", "promoted"] = "promoted" if promoted else "failed"
     verdict = Verdict(
         attempt=attempt, step=step, node=node, reason=reason, written=now_iso(), state=state
