@@ -15,8 +15,11 @@ from pathlib import Path
 import pytest
 
 from daemon.base._errors import RequestError
+from daemon.config._config import RootConfig
 from daemon.ledger._ledger import Ledger, SaveKey
 from daemon.ledger._records import JBegin
+from daemon.store._attempts import prepare
+from daemon.store._markers import write_verdict
 from orchestrator import CheckpointClient
 from orchestrator._run import run_identity
 from orchestrator.protocol import ATTEMPT_MARKER, ErrorCode, SaveState
@@ -210,3 +213,31 @@ class TestSingleNodeBeginOnASpanningDirectory:
             assert reply["ok"], reply
         assert _marker(root, 5)["run"] == "job:2"
         assert not (root / "tmp_step_5" / ".ckptd-node-n1.json").exists()
+
+
+class TestAFreshDaemonAndTheRoot:
+    """A daemon that lost its state takes a re-sent begin's attempt over only if it lives."""
+
+    def _attempt_on_root(self, root: Path, *, failed: bool) -> str:
+        config = RootConfig(path=str(root), real=str(root))
+        prepare(config, 5, "a1", 4, run="job:1")
+        if failed:
+            write_verdict(config, 5, "a1", "n0", "node n1: disk full")
+        return "a1"
+
+    @pytest.mark.parametrize("failed", [False, True])
+    def test_a_resent_spanning_begin(
+        self, start: Callable[..., DaemonProcess], root: Path, failed: bool
+    ) -> None:
+        attempt = self._attempt_on_root(root, failed=failed)
+        daemon = start([root])
+        with LineClient(daemon.socket_path) as conn:
+            reply = conn.request(
+                "begin", root=str(root), step=5, rank=2, world_size=4, local_world_size=2,
+                resent=True, attempt=attempt, run="job:1",
+            )  # fmt: skip
+        if failed:  # the leader's verdict failed it: nobody's to take over
+            assert not reply["ok"] and reply["error"]["code"] == "step_failed", reply
+        else:
+            assert reply["ok"] and reply["attempt"] == attempt, reply
+        assert (root / "tmp_step_5" / ATTEMPT_MARKER).is_file()  # nothing moved either way
