@@ -298,12 +298,20 @@ class SlurmCluster:
         out = self.run("scontrol", "--oneliner", "show", "job", str(job)).stdout
         return dict(re.findall(r"(\w+)=(\S*)", out))
 
-    def wait_state(self, job: int, states: set[str], timeout: float) -> dict[str, str]:
-        """The job's fields once its ``JobState`` is one of ``states``."""
+    def wait_state(
+        self, job: int, states: set[str], timeout: float, reason: str | None = None
+    ) -> dict[str, str]:
+        """The job's fields once its ``JobState`` is one of ``states`` (with ``reason``).
+
+        A requeued job is ``PENDING`` with reason ``None`` for a moment before slurmctld
+        gives it its begin time: ``reason`` waits for the one that matters.
+        """
 
         def reached() -> dict[str, str] | None:
             info = self.job(job)
-            return info if info.get("JobState") in states else None
+            if info.get("JobState") not in states:
+                return None
+            return info if reason is None or info.get("Reason") == reason else None
 
         found: dict[str, str] = wait_until(
             reached, timeout, f"job {job} in {states} (output: {self.output(job)})", interval=0.1

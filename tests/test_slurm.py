@@ -236,7 +236,7 @@ def requeued(slurm: SlurmCluster) -> Requeued:
 
     began = time.monotonic()
     slurm.run("scontrol", "requeue", str(job))
-    pending = slurm.wait_state(job, {"PENDING"}, JOB_TIMEOUT)
+    pending = slurm.wait_state(job, {"PENDING"}, JOB_TIMEOUT, reason="BeginTime")
     assert pending["Reason"] == "BeginTime", pending
     config.write_text(f'[[roots]]\npath = "{root}"\n[roots.retention]\nkeep_last = 1\n')
     # It waits cred_expire seconds (tests/_slurm.py) before it runs again; do not skip
