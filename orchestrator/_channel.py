@@ -218,10 +218,14 @@ class Channel:
         self._unacked[message.id] = item
         return item.line
 
-    def _release(self, record: SaveRecord) -> None:
-        # The begin is answered: its save's held done/fail go now, or never if refused.
+    def _release(self, record: SaveRecord, refusal: DaemonError | None = None) -> None:
+        # The begin is answered: its save's held done/fail go now, or never if refused
+        # (a caller waiting on one is told the begin's refusal).
         held, record.held = record.held, []
         if record.answer == "refused":
+            for item in held:
+                if refusal is not None and item.future is not None and not item.future.done():
+                    item.future.set_exception(refusal)
             return
         lines = [self._enqueue(item) for item in held]
         if self._writer is not None and lines:
@@ -263,6 +267,9 @@ class Channel:
 
     def _resend(self, writer: asyncio.StreamWriter) -> None:
         # Saves in flight first, so a restarted daemon learns of them before their done.
+        # Every save's done/fail then waits for this daemon's answer to its begin: one
+        # that lost its state knows the save only once that begin took the attempt over
+        # (a done ahead of it, or behind a begin answered "retry", would be refused).
         queued = {id(o.record) for o in self._unacked.values() if isinstance(o.message, p.Begin)}
         written: set[int] = set()
         for key, record in list(self._settled.items()):
@@ -273,7 +280,20 @@ class Channel:
             record.answer, record.replayed = "pending", True
             record.held = [Outgoing(record.settled.message, None, record)]
             self._saves[key] = record
+        sent: dict[int, list[Outgoing]] = {}  # each open save's done/fail sent before
+        for rid in sorted(self._unacked):
+            outgoing = self._unacked[rid]
+            owner = outgoing.record
+            if (
+                isinstance(outgoing.message, p.Done | p.Fail)
+                and owner is not None
+                and self._saves.get(owner.key) is owner
+            ):
+                del self._unacked[rid]
+                sent.setdefault(id(owner), []).append(outgoing)
         for record in list(self._saves.values()):
+            record.held = [*sent.get(id(record), ()), *record.held]
+            record.answer = "pending"
             if id(record) in queued:
                 continue
             msg = p.Begin(
@@ -406,6 +426,10 @@ class Channel:
         else:
             record.answer = "refused"
             self._refused[record.key] = record
+            error = reply.get("error") or {}
+            refusal = DaemonError(str(error.get("code")), str(error.get("message")))
+            self._release(record, refusal)
+            return
         self._release(record)
 
     def _resend_one(self, rid: int) -> None:

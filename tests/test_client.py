@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import json
 import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,11 +17,13 @@ import traceback
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
+from typing import BinaryIO
 
 import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 
 from orchestrator import CheckpointClient, FileEntry
+from orchestrator import protocol as p
 from tests.conftest import REPO, DaemonProcess, LineClient
 
 
@@ -49,6 +54,19 @@ class TestDaemonDown:
     def test_queries_fail_clearly(self, short_dir: Path) -> None:
         with CheckpointClient(str(short_dir / "nobody.sock")) as client:
             assert client.ping(timeout=5.0) is False
+
+
+@contextlib.contextmanager
+def _accepted(path: Path) -> Iterator[tuple[socket.socket, BinaryIO]]:
+    """The first connection made to a socket bound at ``path``, and its lines; then unbound."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.settimeout(30.0)
+        listener.bind(str(path))
+        listener.listen()
+        conn, _ = listener.accept()
+        with conn, conn.makefile("rb") as lines:
+            yield conn, lines
+    path.unlink()
 
 
 class TestReconnect:
@@ -94,6 +112,47 @@ class TestReconnect:
             first.close(timeout=5.0)
             second.close(timeout=5.0)
         assert sorted(p.name for p in (root / "step_7").glob("r*.bin")) == ["r0.bin", "r1.bin"]
+
+    def test_a_done_waits_for_its_begin_re_sent_on_a_lost_connection(
+        self, daemon_factory: Callable[..., DaemonProcess], short_dir: Path, root: Path
+    ) -> None:
+        """After a reconnect a done goes only once this daemon answered its save's begin.
+
+        Here the done is older than the begin re-sent for it on a connection lost before
+        any answer. A daemon on an empty state directory knows the save only once that
+        begin takes the attempt over from the root: a done ahead of it would be refused.
+        """
+        daemon = daemon_factory([root])
+        client = CheckpointClient(
+            str(daemon.socket_path), begin_timeout=10.0, reconnect_max=0.2, run="job-1"
+        )
+        try:
+            assert client.begin(str(root), 7, 0, 1).acknowledged
+            (root / "tmp_step_7" / "r0.bin").write_bytes(b"0" * 10)
+            daemon.kill()
+            shutil.rmtree(daemon.state_dir)  # a requeue's prolog: only the root is left
+            daemon.socket_path.unlink()
+            # A daemon that answers the re-sent begin, takes the done and dies.
+            with _accepted(daemon.socket_path) as (conn, lines):
+                begin = json.loads(lines.readline())
+                assert begin["op"] == "begin" and begin["resent"]
+                answer = p.BeginReply(
+                    id=begin["id"],
+                    path=str(root / "tmp_step_7"),
+                    state=p.SaveState.OPEN,
+                    attempt=begin["attempt"],
+                )
+                conn.sendall(p.encode(answer))
+                client.done(str(root), 7, 0, [FileEntry("r0.bin", 10)])
+                assert json.loads(lines.readline())["op"] == "done"
+            # One that takes the begin re-sent there (newer than the done) and dies.
+            with _accepted(daemon.socket_path) as (_, lines):
+                assert json.loads(lines.readline())["op"] == "begin"
+            daemon_factory([root])
+            assert client.wait(str(root), 7, 20.0).state == "promoted"
+        finally:
+            client.close(timeout=5.0)
+        assert (root / "step_7" / "r0.bin").read_bytes() == b"0" * 10
 
     def test_daemon_restart_mid_save(
         self, daemon_factory: Callable[..., DaemonProcess], short_dir: Path, root: Path

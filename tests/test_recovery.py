@@ -256,6 +256,53 @@ class TestLostStateDirectory:
         shutil.rmtree(root / ".ckptd-verdicts")
         _assert_promoted_once(root, 1)
 
+    def test_a_marker_cut_short_by_the_crash_is_no_sign_of_other_nodes(
+        self, daemon_factory: Factory, root: Path
+    ) -> None:
+        # Both ranks were done, and the daemon died writing their node marker: only its
+        # temporary file is left, half written. The ranks re-send begin and done to a
+        # daemon on an empty state directory, which takes the attempt over and promotes.
+        daemon = daemon_factory([root])
+        ranks = LineClient(daemon.socket_path), LineClient(daemon.socket_path)
+        attempts = set()
+        for rank, client in enumerate(ranks):
+            reply = client.request(
+                "begin", root=str(root), step=4, rank=rank, world_size=2, run="job-1"
+            )
+            attempts.add(reply["attempt"])
+        (attempt,) = attempts
+        tmp = root / "tmp_step_4"
+        for rank in (0, 1):
+            (tmp / "model").mkdir(exist_ok=True)
+            (tmp / "model" / f"shard{rank}.bin").write_bytes(bytes([rank]) * 1000)
+        daemon.kill()
+        for client in ranks:
+            client.close()
+        (tmp / ".ckptd-node-n0.json.5f1e2d3c.tmp").write_bytes(b'{"node":"n0","attempt":"')
+
+        restarted = daemon_factory([root], socket_name="e.sock")
+        again = LineClient(restarted.socket_path), LineClient(restarted.socket_path)
+        for rank, client in enumerate(again):
+            reply = client.request(
+                "begin",
+                root=str(root),
+                step=4,
+                rank=rank,
+                world_size=2,
+                run="job-1",
+                resent=True,
+                attempt=attempt,
+            )
+            assert reply["ok"] and reply["attempt"] == attempt, reply
+        for rank, client in enumerate(again):
+            done = {"root": str(root), "step": 4, "rank": rank, "attempt": attempt}
+            assert client.request("done", **done, files=_files(rank))["ok"]
+        promoted = restarted.wait_event("checkpoint.promoted", match=lambda e: e["step"] == 4)
+        assert promoted["attempt"] == attempt
+        for client in again:
+            client.close()
+        assert verify_checkpoint(str(root / "step_4")) == []
+
     def test_a_rank_not_done_stays_an_orphan(self, daemon_factory: Factory, root: Path) -> None:
         daemon = daemon_factory([root])
         _rank0_done_then_killed(daemon, root, 2)

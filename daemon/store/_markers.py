@@ -336,12 +336,13 @@ def marker_for(save: SaveRecord, node: str, state: NodeState, reason: str = "") 
 
 
 def spanning_attempt(root: RootConfig, step: int) -> AttemptMarker | None:
-    """The attempt marker of ``tmp_step_N`` if the directory holds node markers.
+    """The attempt marker of ``tmp_step_N`` if the directory holds a spanning node marker.
 
     Node markers of fewer ranks than the step's are written only by a save that spans
     nodes: such a directory belongs to a multi-node attempt, live or left behind. None
-    when there is no directory, no attempt marker, or no such node marker (a one-node
-    save's own marker, written once its ranks were done, is not one).
+    when there is no directory, no attempt marker, or no such node marker: a one-node
+    save's own marker (written once its ranks were done) is not one, and neither is the
+    temporary file of a marker whose write a crash cut short (it proves nothing).
     """
     tmp = root.tmp_dir(step)
     try:
@@ -357,6 +358,6 @@ def spanning_attempt(root: RootConfig, step: int) -> AttemptMarker | None:
         return None
     # A one-node save's marker (all its ranks on one node) is no sign of other nodes.
     markers = [m for m in read_markers_in(tmp, {}) if isinstance(m, NodeMarker)]
-    if markers and all(m.local_world_size >= m.world_size for m in markers):
+    if not any(m.local_world_size < m.world_size for m in markers):
         return None
     return found
