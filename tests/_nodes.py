@@ -228,11 +228,17 @@ class SimNode:
         self._close_daemon()
         return code
 
-    def restart_daemon(self) -> DaemonProcess:
-        """Start the daemon again, as configured last, on the same state directory."""
+    def restart_daemon(self, *, wipe: bool = False) -> DaemonProcess:
+        """Start the daemon again, as configured last, on the same state directory.
+
+        ``wipe``: on an empty one instead, as a requeued job's node starts (its prolog
+        wipes the state directory, a pod's ``emptyDir`` is new).
+        """
         if self.daemon is not None and self.daemon.proc is not None:
             if self.daemon.proc.poll() is None:
                 self.kill_daemon(signal.SIGTERM)
+        if wipe:
+            shutil.rmtree(self.state_dir, ignore_errors=True)
         return self._spawn()
 
     def _close_daemon(self) -> None:

@@ -80,12 +80,18 @@ class TestFollowerRestart:
         got = marker_files(nodes.backing_root / "step_1", "n1")
         assert got == {str(r.rank) for r in ranks}, got
 
-    def test_killed_right_after_done(self, three: tuple[Cluster, Job]) -> None:
+    @pytest.mark.parametrize("wipe", [False, True], ids=["journal", "empty-state-dir"])
+    def test_killed_right_after_done(self, three: tuple[Cluster, Job], wipe: bool) -> None:
         nodes, job = three
         job.begin(1)
         job.save(1)
         nodes[2].kill_daemon(signal.SIGKILL)
-        nodes[2].restart_daemon()
+        nodes[2].restart_daemon(wipe=wipe)
+        if wipe:  # its ranks' done were in the journal only: they re-send, as clients do
+            for rank in job.on(nodes[2]):
+                rank.reconnect()
+                assert rank.begin(1, resent=True, attempt=rank.attempts[1])["ok"]
+                assert rank.done(1, [{"path": f"rank{rank.rank}.bin", "size": 64}])["ok"]
         settles_everywhere(nodes, 1, "promoted")
 
 
@@ -101,7 +107,10 @@ def marker_files(step_dir: Path, node: str) -> set[str]:
 class TestLeaderRestart:
     """The leader SIGKILLed before it promotes finishes the promotion exactly once."""
 
-    def test_killed_with_every_marker_down(self, three: tuple[Cluster, Job]) -> None:
+    @pytest.mark.parametrize("wipe", [False, True], ids=["journal", "empty-state-dir"])
+    def test_killed_with_every_marker_down(self, three: tuple[Cluster, Job], wipe: bool) -> None:
+        # With an empty state directory (a requeued job's node) the root decides: every
+        # node's marker is done and this node holds rank 0, so it promotes as before.
         nodes, job = three
         leader = nodes[0]
         back = nodes.backing_root
@@ -117,7 +126,7 @@ class TestLeaderRestart:
         leader.thaw()
         assert not events(killed, "checkpoint.promoted", 1)
         assert not (back / "step_1").exists()
-        restarted = leader.restart_daemon()
+        restarted = leader.restart_daemon(wipe=wipe)
         answers = settles_everywhere(nodes, 1, "promoted")
         assert answers[0]["path"] == str(nodes.root / "step_1")
         assert manifest(back, 1)["attempt"] == attempt
@@ -128,13 +137,14 @@ class TestLeaderRestart:
         trash = back / ".ckptd-trash"
         assert not trash.exists() or not [p for p in trash.iterdir() if "step_1" in p.name]
 
-    def test_killed_right_after_the_last_done(self, three: tuple[Cluster, Job]) -> None:
+    @pytest.mark.parametrize("wipe", [False, True], ids=["journal", "empty-state-dir"])
+    def test_killed_right_after_the_last_done(self, three: tuple[Cluster, Job], wipe: bool) -> None:
         nodes, job = three
         job.begin(1)
         job.save(1)
         killed = the_daemon(nodes[0])
         nodes[0].kill_daemon(signal.SIGKILL)
-        restarted = nodes[0].restart_daemon()
+        restarted = nodes[0].restart_daemon(wipe=wipe)
         settles_everywhere(nodes, 1, "promoted")
         promoted = events(killed, "checkpoint.promoted", 1)
         promoted += events(restarted, "checkpoint.promoted", 1)

@@ -21,3 +21,12 @@ class TestKillSample:
         figures = result.figures
         assert figures["steps promoted"] == figures["steps completed by both ranks"] > 0
         assert figures["steps failed"] == 0
+
+    def test_stateless_trials_without_violations(self, short_dir: Path) -> None:
+        # Every daemon run starts on an empty state directory (a requeue's prolog).
+        result = run_kill_campaign(short_dir, 6, seed=20261201, max_delay=0.8, stateless=True)
+        assert result.violations == []
+        assert result.trials == 6
+        figures = result.figures
+        assert figures["steps promoted"] == figures["steps completed by both ranks"] > 0
+        assert figures["steps failed"] == 0
