@@ -16,7 +16,7 @@ from .protocol import FileEntry, default_socket_path
 if TYPE_CHECKING:
     from ._client import CheckpointClient
     from ._dcp import AfterBeginPlanner, async_save, checkpoint_group, default_client
-    from ._objstore import latest, storage_reader, storage_writer
+    from ._objstore import latest, open_file, storage_reader, storage_writer
     from ._pending import Begun, PendingBegin
     from ._tracking import SaveHandle, files_from_metadata
 
@@ -35,6 +35,7 @@ __all__ = [
     "default_socket_path",
     "files_from_metadata",
     "latest",
+    "open_file",
     "storage_reader",
     "storage_writer",
 ]
@@ -50,6 +51,7 @@ _LAZY = {
     "checkpoint_group": "._dcp",
     "default_client": "._dcp",
     "latest": "._objstore",
+    "open_file": "._objstore",
     "storage_reader": "._objstore",
     "storage_writer": "._objstore",
 }

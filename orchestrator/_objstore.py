@@ -17,7 +17,7 @@ import json
 import os
 from typing import Any, Final
 
-__all__ = ["is_object_url", "latest", "storage_reader", "storage_writer"]
+__all__ = ["is_object_url", "latest", "open_file", "storage_reader", "storage_writer"]
 
 _SCHEMES: Final = ("s3://",)
 _MAX_POINTER: Final = 64 * 1024
@@ -59,6 +59,23 @@ def storage_reader(url: str) -> Any:
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
     return FsspecReader(url, **_options())
+
+
+def open_file(path: str, mode: str = "rb") -> Any:
+    """Open a small file of a step (``training_info.json``) on a filesystem or a store.
+
+    Args:
+        path: A path, or a URL in an ``s3://`` root.
+        mode: As for ``open`` (``"w"``, ``"rb"``, ...).
+
+    Returns:
+        A file object (a context manager); on a store, written when it is closed.
+    """
+    if not is_object_url(path):
+        return open(path, mode)
+    import fsspec
+
+    return fsspec.open(path, mode, **_options()).open()
 
 
 def latest(root: str, pointer: str = "latest") -> str | None:
