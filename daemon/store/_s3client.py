@@ -115,6 +115,24 @@ class Bucket:
         """``key`` relative to the root's prefix."""
         return key[len(self.prefix) + 1 :] if self.prefix else key
 
+    def check(self) -> None:
+        """Check that the bucket exists and the credentials are taken (one HEAD).
+
+        Some stores create a missing bucket on the first PUT into it: a typo in the
+        root's URL must fail here instead.
+
+        Raises:
+            StoreError: the bucket is missing, access is denied, or the store is down.
+        """
+        try:
+            self._call("head_bucket", ".")
+        except FileNotFoundError:
+            raise StoreError(
+                errno.ENOENT,
+                f"bucket {self.name!r} does not exist at {self.endpoint}; create it, or fix "
+                "the root's URL or endpoint",
+            ) from None
+
     def get(self, name: str) -> tuple[bytes, str] | None:
         """The bytes and ETag of object ``name``; None if there is none."""
         try:

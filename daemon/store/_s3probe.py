@@ -38,6 +38,7 @@ def probe(bucket: Bucket) -> None:
     run = uuid.uuid4().hex
     key, race = f"{PROBE_PREFIX}/{run}", f"{PROBE_PREFIX}/{run}.race"
     where = f"the store at {bucket.endpoint} (root {bucket.url})"
+    bucket.check()
     try:
         first = bucket.put(key, b"1", create=True)
         try:
