@@ -192,7 +192,9 @@ class TestVerify:
         storage, root = S3Storage(), s3_root(seaweed)
         storage.prepare(root, 3, "a" * 16, 1)
         storage.bucket(root).put(f"step_3/{'a' * 16}/one.bin", b"1" * 10)
-        reported = {0: (FileEntry("one.bin", 10), FileEntry("two.bin", 5))}
+        reported: dict[int, tuple[FileEntry, ...]] = {
+            0: (FileEntry("one.bin", 10), FileEntry("two.bin", 5))
+        }
         with pytest.raises(VerificationError, match="two.bin"):
             storage.scan_save(root, 3, 1, reported, "a" * 16)
         assert not storage.promoted(root, 3)

@@ -310,12 +310,16 @@ class S3Storage(S3Keep, S3Nodes):
         """Refuse a save of a committed step, or of a root whose store is refused.
 
         Raises:
-            RequestError: ``already_promoted``, or ``unavailable`` with the store's error.
+            RequestError: ``already_promoted``, or ``invalid_state`` with the store's
+                error (a refused store, denied credentials, a missing bucket, an
+                unreachable endpoint): a retry would not help until it is fixed.
         """
         try:
             promoted = self.promoted(root, step)
         except StoreError as exc:
-            raise RequestError(ErrorCode.UNAVAILABLE, str(exc)) from None
+            raise RequestError(
+                ErrorCode.INVALID_STATE, f"the store of {root.path} is unusable: {exc.strerror}"
+            ) from None
         if promoted:
             raise RequestError(
                 ErrorCode.ALREADY_PROMOTED, f"{root.final_dir(step)} is committed already"
@@ -387,7 +391,11 @@ class S3Storage(S3Keep, S3Nodes):
             created=datetime.now(UTC).isoformat(),
             run=run,
         )
-        bucket.put(commits.marker_name(root, step), msgspec.json.encode(marker))
+        data = msgspec.json.encode(marker)
+        # The attempt's own marker first (what verification checks, never replaced),
+        # then the step's current one (what a daemon without its journal reads).
+        bucket.put(commits.own_marker_name(root, step, attempt), data)
+        bucket.put(commits.marker_name(root, step), data)
         if previous is None:
             return Prepared(created=True)
         moved = self.url(root, step, previous.attempt)

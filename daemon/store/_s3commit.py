@@ -37,6 +37,7 @@ __all__ = [
     "attempt_name",
     "commit_name",
     "marker_name",
+    "own_marker_name",
     "own_object",
     "read_commit",
     "scan_attempt",
@@ -86,6 +87,11 @@ def marker_name(root: RootConfig, step: int) -> str:
     return f"{step_name(root, step)}/{ATTEMPT_MARKER}"
 
 
+def own_marker_name(root: RootConfig, step: int, attempt: str) -> str:
+    """The attempt's own marker, in its prefix: never replaced by another attempt's."""
+    return f"{attempt_name(root, step, attempt)}/{ATTEMPT_MARKER}"
+
+
 def attempt_name(root: RootConfig, step: int, attempt: str) -> str:
     """The prefix of one attempt of step N, relative to the root."""
     return f"{step_name(root, step)}/{attempt}"
@@ -114,9 +120,11 @@ def read_commit(bucket: Bucket, root: RootConfig, step: int) -> tuple[Commit, st
     return commit, got[1]
 
 
-def read_marker(bucket: Bucket, root: RootConfig, step: int) -> AttemptMarker | None:
-    """The attempt marker of step N, if one is there and readable."""
-    got = bucket.get(marker_name(root, step))
+def read_marker(
+    bucket: Bucket, root: RootConfig, step: int, attempt: str = ""
+) -> AttemptMarker | None:
+    """The attempt marker of step N (the current attempt's, or ``attempt``'s own)."""
+    got = bucket.get(own_marker_name(root, step, attempt) if attempt else marker_name(root, step))
     if got is None:
         return None
     try:
@@ -135,20 +143,17 @@ def scan_attempt(
 ) -> tuple[Manifest, dict[str, Listed], dict[str, str]]:
     """Check that attempt ``attempt`` of step N is complete; its manifest, objects, metadata.
 
-    Checks: the step's marker names the attempt; every file a rank reported is an object
+    Checks: the attempt's own marker names it; every file a rank reported is an object
     of at least its size; every directory with ``*.distcp`` shards has a ``.metadata``
     whose referenced shards are objects of at least the sizes it records.
 
     Raises:
         VerificationError: with every problem found (up to a bound), joined by ``; ``.
     """
-    marker = read_marker(bucket, root, step)
+    marker = read_marker(bucket, root, step, attempt)
     where = f"{bucket.url}/{attempt_name(root, step, attempt)}"
-    if marker is None or marker.attempt != attempt:
-        named = "no attempt" if marker is None else f"attempt {marker.attempt}"
-        raise VerificationError(
-            f"{bucket.url}/{marker_name(root, step)} names {named}, not {attempt}"
-        )
+    if marker is None or marker.attempt != attempt or marker.step != step:
+        raise VerificationError(f"{where} has no marker of attempt {attempt}: not ckptd's")
     base = attempt_name(root, step, attempt)
     objects: dict[str, Listed] = {}
     for item in bucket.listing(base):
