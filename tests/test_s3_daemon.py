@@ -322,3 +322,59 @@ class TestIsolation:
         assert job.wait() == [0]
         promoted = daemon.wait_event("checkpoint.promoted", timeout=60)
         assert promoted["root"] == str(local)
+
+
+class TestRetention:
+    """The daemon's retention and gc on an s3:// root: commit objects first, pins kept."""
+
+    def test_keep_last_pin_and_gc(
+        self,
+        seaweed: S3Server,
+        jobs: Callable[..., Job],
+        short_dir: Path,
+        capsys: pytest.CaptureFixture[str],
+    ) -> None:
+        root = seaweed.root()
+        toml = short_dir / "ckptd.toml"
+        toml.write_text(f'[[roots]]\npath = "{root}"\n[roots.retention]\nkeep_last = 1\n')
+        env = seaweed.env()
+        daemon = DaemonProcess(
+            short_dir / "r.sock", [], "--config", str(toml), "--lease", "2",
+            state_dir=short_dir / "r.state", env=env,
+        )  # fmt: skip
+        daemon.start()
+        try:
+            first = jobs(daemon.socket_path, env, root, 1, "--step", "1")
+            assert first.wait() == [0]
+            daemon.wait_event("checkpoint.promoted", match=lambda e: e["step"] == 1)
+            with pytest.MonkeyPatch.context() as patch:
+                for key, value in env.items():
+                    patch.setenv(key, value)
+                assert main(["pin", root, "1", "--socket", str(daemon.socket_path)]) == 0
+                for step in (2, 3):
+                    job = jobs(daemon.socket_path, env, root, 1, "--step", str(step))
+                    assert job.wait() == [0]
+                    daemon.wait_event("checkpoint.promoted", match=lambda e, s=step: e["step"] == s)
+                retired = daemon.wait_event("checkpoint.retired", timeout=60)
+                assert retired["step"] == 2
+                keys = seaweed.keys(root)
+                assert not [k for k in keys if k.startswith("step_2/")]
+                assert "step_1/.ckptd-commit.json" in keys  # pinned
+                assert "step_3/.ckptd-commit.json" in keys  # newest
+                # A failed attempt's objects are what gc takes; nothing of a checkpoint.
+                dying = jobs(daemon.socket_path, env, root, 2, "--step", "4", "--die-mid-upload")
+                dying.wait_line("dying", rank=1)
+                daemon.wait_event("checkpoint.failed", timeout=90)
+                dying.kill()
+                assert [k for k in seaweed.keys(root) if k.startswith("step_4/")]
+                capsys.readouterr()
+                assert main(["gc", root, "--yes", "--socket", str(daemon.socket_path)]) == 0
+                assert "removed" in capsys.readouterr().out
+                keys = seaweed.keys(root)
+                assert not [k for k in keys if k.startswith("step_4/")]
+                assert "step_3/.ckptd-commit.json" in keys
+                assert "step_1/.ckptd-commit.json" in keys
+        finally:
+            daemon.kill()
+            assert daemon.proc is not None and daemon.proc.stdout is not None
+            daemon.proc.stdout.close()
