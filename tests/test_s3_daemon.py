@@ -354,7 +354,8 @@ class TestRetention:
                 for step in (2, 3):
                     job = jobs(daemon.socket_path, env, root, 1, "--step", str(step))
                     assert job.wait() == [0]
-                    daemon.wait_event("checkpoint.promoted", match=lambda e, s=step: e["step"] == s)
+                    promoted = daemon.wait_event("checkpoint.promoted")
+                    assert promoted["step"] == step
                 retired = daemon.wait_event("checkpoint.retired", timeout=60)
                 assert retired["step"] == 2
                 keys = seaweed.keys(root)
