@@ -216,8 +216,8 @@ def run(quick: bool = True, reps: int | None = None, numel: int = 1 << 20) -> Be
             None, 1, float(floor_requests), "the floor's requests", requests / floor_requests,
         ),
         Row(
-            "s3", f"{numel * 4 // 1024} KiB, 1 rank", "training stall per save", "ms", median(stall_ours),
-            p99(stall_ours), len(stall_ours), median(stall_bare),
+            "s3", f"{numel * 4 // 1024} KiB, 1 rank", "training stall per save", "ms",
+            median(stall_ours), p99(stall_ours), len(stall_ours), median(stall_bare),
             "bare dcp.async_save (FsspecWriter)", median(stall_ours) / median(stall_bare),
         ),
     ]  # fmt: skip
