@@ -24,7 +24,7 @@ from daemon.base._faults import S3_POINTS
 from daemon.cli import main
 from orchestrator import CheckpointClient
 from tests._ranks import free_port, pump_lines, start_rank
-from tests._s3 import S3Server, serve
+from tests._s3 import LyingProxy, S3Server, serve, start_seaweedfs
 from tests.conftest import REPO, DaemonProcess
 
 pytestmark = pytest.mark.slow
@@ -312,9 +312,10 @@ class TestIsolation:
         env = {**seaweed.env(), "AWS_SECRET_ACCESS_KEY": "wrong"}
         daemon = daemons([root, str(local)], env)
         failed = daemon.wait_event(
-            "root.layout_failed", timeout=60, match=lambda e: e["root"] == root
+            "root.store_unusable", timeout=60, match=lambda e: e["root"] == root
         )
         assert "denied" in failed["error"] and "credentials" in failed["error"]
+        assert failed["refused"] is False
         with CheckpointClient(str(daemon.socket_path), begin_timeout=30) as client:
             refused = client.begin(root, 1, 0, 1)
             assert refused.error is not None and "denied" in refused.error.message
@@ -379,3 +380,24 @@ class TestRetention:
             daemon.kill()
             assert daemon.proc is not None and daemon.proc.stdout is not None
             daemon.proc.stdout.close()
+
+    def test_a_store_that_lies_is_refused(
+        self, daemons: Callable[..., DaemonProcess], tmp_path: Path
+    ) -> None:
+        honest = start_seaweedfs(auth=False)
+        proxy = LyingProxy(honest.endpoint)
+        try:
+            root = f"s3://{honest.bucket}/lied-to"
+            env = {**honest.env(), "AWS_ENDPOINT_URL": proxy.endpoint}
+            local = tmp_path / "run"
+            local.mkdir()
+            daemon = daemons([root, str(local)], env)
+            refused = daemon.wait_event("root.store_unusable", timeout=60)
+            assert refused["refused"] is True and "ignores If-None-Match" in refused["error"]
+            with CheckpointClient(str(daemon.socket_path), begin_timeout=30) as client:
+                begun = client.begin(root, 1, 0, 1)
+                assert begun.error is not None and "ignores If-None-Match" in begun.error.message
+                assert client.begin(str(local), 1, 0, 1).acknowledged  # the other root works
+        finally:
+            proxy.close()
+            honest.stop()
