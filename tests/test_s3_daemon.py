@@ -10,6 +10,7 @@ saved again at once; a denied credential fails only its own root.
 from __future__ import annotations
 
 import queue
+import shutil
 import subprocess
 import threading
 import time
@@ -41,15 +42,16 @@ class Job:
     """``world`` real rank processes of ``tests/_s3_worker.py``."""
 
     def __init__(
-        self, socket: Path, env: dict[str, str], root: str, world: int, *args: str
+        self, socket: Path | list[Path], env: dict[str, str], root: str, world: int, *args: str
     ) -> None:
+        sockets = socket if isinstance(socket, list) else [socket] * world
         self.lines: queue.Queue[dict[str, Any]] = queue.Queue()
         self.seen: list[dict[str, Any]] = []
         port = free_port()
         self.procs: list[subprocess.Popen[bytes]] = []
         self.pumps: list[threading.Thread] = []
         for rank in range(world):
-            proc = start_rank([str(WORKER), root, *args], rank, world, port, socket, env)
+            proc = start_rank([str(WORKER), root, *args], rank, world, port, sockets[rank], env)
             self.procs.append(proc)
             self.pumps.append(pump_lines(proc, rank, self.lines.put))
 
@@ -231,6 +233,35 @@ class TestCrash:
             if again.proc is not None and again.proc.stdout is not None:
                 again.proc.stdout.close()
 
+    def test_lost_state_directory(
+        self,
+        seaweed: S3Server,
+        daemons: Callable[..., DaemonProcess],
+        jobs: Callable[..., Job],
+    ) -> None:
+        """The root is the truth: a daemon on an empty state directory finishes the save."""
+        root = seaweed.root()
+        env = {**seaweed.env(), "CKPTD_CRASH_AT": "before_intent"}
+        daemon = daemons([root], env, "lost")
+        job = jobs(daemon.socket_path, seaweed.env(), root, 2, "--step", "6")
+        daemon.wait_event("_exit", timeout=90)
+        assert commit_of(seaweed, root, 6) is None
+        job.kill()  # the job is gone too: only the store knows its ranks were done
+        shutil.rmtree(daemon.state_dir)
+        again = DaemonProcess(
+            daemon.socket_path, [], *daemon.extra, state_dir=daemon.state_dir, env=seaweed.env()
+        )
+        again.start()
+        try:
+            promoted = again.wait_event("checkpoint.promoted", timeout=60)
+            assert promoted["step"] == 6
+            commit = commit_of(seaweed, root, 6)
+            assert commit is not None and commit["attempt"] == promoted["attempt"]
+        finally:
+            again.kill()
+            if again.proc is not None and again.proc.stdout is not None:
+                again.proc.stdout.close()
+
 
 class TestRaces:
     """Two daemons with one root: exactly one commit of a step, the other stands down."""
@@ -401,3 +432,32 @@ class TestRetention:
         finally:
             proxy.close()
             honest.stop()
+
+
+class TestNodes:
+    """A save spanning two nodes' daemons on one s3:// root: markers and verdicts as objects."""
+
+    def test_two_nodes(
+        self,
+        seaweed: S3Server,
+        daemons: Callable[..., DaemonProcess],
+        jobs: Callable[..., Job],
+    ) -> None:
+        root = seaweed.root()
+        leader = daemons([root], seaweed.env(), "n0", "--node", "n0")
+        follower = daemons([root], seaweed.env(), "n1", "--node", "n1")
+        env = {**seaweed.env(), "LOCAL_WORLD_SIZE": "1"}
+        sockets = [leader.socket_path, follower.socket_path]
+        job = jobs(sockets, env, root, 2, "--step", "8", "--load", "--run", "two-nodes")
+        promoted = leader.wait_event("checkpoint.promoted", timeout=90)
+        assert promoted["step"] == 8
+        learned = follower.wait_event("checkpoint.promoted", timeout=90)
+        assert learned["path"] == promoted["path"]
+        for rank in (0, 1):
+            assert job.wait_line("loaded", rank=rank)["same"] is True
+        assert job.wait() == [0, 0]
+        keys = seaweed.keys(root)
+        attempt = promoted["attempt"]
+        assert f"step_8/{attempt}/.ckptd-node-n0.json" in keys
+        assert f"step_8/{attempt}/.ckptd-node-n1.json" in keys
+        assert f"step_8/{attempt}/.ckptd-verdict.json" in keys
