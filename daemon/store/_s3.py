@@ -210,7 +210,13 @@ class S3Storage(S3Keep, S3Nodes):
         """
         bucket = self.bucket(root)
         attempt = manifest.attempt
-        objects, etags = self._scans.pop((root.path, step, attempt), ({}, {}))
+        scanned = self._scans.pop((root.path, step, attempt), None)
+        if scanned is None:  # verified by another storage object: list what is there now
+            base = commits.attempt_name(root, step, attempt)
+            listed = (i for i in bucket.listing(base) if isinstance(i, Listed))
+            now = {i.key[len(base) + 1 :]: i for i in listed}
+            scanned = {r: o for r, o in now.items() if not commits.own_object(r)}, {}
+        objects, etags = scanned
         if intent is not None:
             intent()
         url = self.url(root, step, attempt)
