@@ -180,6 +180,9 @@ class TestSaveAndLoad:
             assert main(["latest", root]) == 0
             assert capsys.readouterr().out.strip() == f"{root}/step_3/{attempt}"
             assert main(["verify", f"{root}/step_3"]) == 0
+            # A committed step is not promoted again.
+            assert main(["promote", root, "3", "--socket", str(daemon.socket_path)]) == 1
+            assert "already promoted" in capsys.readouterr().err
             assert main(["ls", root]) == 0
             listing = capsys.readouterr().out
             assert "3 *   promoted" in listing and f"{root}/step_3/{attempt}" in listing
