@@ -15,9 +15,17 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import Any, Final
 
-__all__ = ["is_object_url", "latest", "open_file", "storage_reader", "storage_writer"]
+__all__ = [
+    "attempt_writer",
+    "is_object_url",
+    "latest",
+    "open_file",
+    "storage_reader",
+    "storage_writer",
+]
 
 _SCHEMES: Final = ("s3://",)
 _MAX_POINTER: Final = 64 * 1024
@@ -52,6 +60,44 @@ def storage_writer(url: str, **kwargs: Any) -> Any:
     # Objects are visible once their PUT returns: fsync has nothing to add.
     kwargs.setdefault("sync_files", False)
     return FsspecWriter(url, **kwargs, **_options())
+
+
+def attempt_writer(root: str, resolve: Callable[[], str], **kwargs: Any) -> Any:
+    """An ``FsspecWriter`` that learns where it writes on DCP's upload thread.
+
+    An attempt's prefix is named by the daemon's ``begin`` reply; waiting for it on the
+    training thread would stall training for a round trip to the daemon and the store.
+    This writer is made with the root's URL and asks ``resolve`` for the real one when
+    DCP sets it up, on the upload thread, before anything is written (where
+    :class:`orchestrator.AfterBeginPlanner` waits for the same reply).
+
+    Args:
+        root: The ``s3://`` root (where the writer points until it is set up).
+        resolve: Returns the DCP directory's URL (may wait for the ``begin`` reply).
+        **kwargs: Passed to ``FsspecWriter``.
+    """
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    class AttemptWriter(FsspecWriter):
+        def __init__(self) -> None:
+            kwargs.setdefault("sync_files", False)
+            super().__init__(root, **kwargs, **_options())
+            self._resolved = False
+
+        def _resolve(self) -> None:
+            if not self._resolved:
+                self._resolved = True
+                self.reset(resolve())
+
+        def storage_meta(self) -> Any:
+            self._resolve()
+            return super().storage_meta()
+
+        def set_up_storage_writer(self, *args: Any, **kw: Any) -> None:
+            self._resolve()
+            super().set_up_storage_writer(*args, **kw)
+
+    return AttemptWriter()
 
 
 def storage_reader(url: str) -> Any:
