@@ -354,3 +354,24 @@ class TestRouting:
         routed.write_layout(s3)
         assert ".ckptd-layout.json" in routed.entries(s3)
         assert routed.read_pointer(s3) is None
+
+
+class TestCommandLine:
+    """``ckptd`` on an s3:// root whose store refuses it: a clear error, no traceback."""
+
+    def test_denied(
+        self,
+        seaweed: S3Server,
+        monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str],
+    ) -> None:
+        from daemon.cli import main
+
+        for key, value in {**seaweed.env(), "AWS_SECRET_ACCESS_KEY": "wrong"}.items():
+            monkeypatch.setenv(key, value)
+        root = seaweed.root()
+        assert main(["ls", root, "--socket", "/nonexistent/ckptd.sock"]) == 1
+        err = capsys.readouterr().err
+        assert "denied" in err and "check the credentials" in err
+        assert main(["verify", f"{root}/step_1"]) == 1
+        assert "denied" in capsys.readouterr().err
