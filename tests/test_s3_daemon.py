@@ -281,20 +281,28 @@ class TestRaces:
         env = seaweed.env()
         job_a = jobs(first.socket_path, env, root, 1, "--step", "7", "--run", "run-a")
         job_b = jobs(second.socket_path, env, root, 1, "--step", "7", "--run", "run-b")
-        assert job_a.wait() == [0] and job_b.wait() == [0]
-        outcomes = []
-        for daemon in (first, second):
-            with CheckpointClient(str(daemon.socket_path)) as client:
-                outcomes.append(client.wait(root, 7, timeout=60))
-        states = sorted(o.state for o in outcomes)
-        assert states in (["failed", "promoted"], ["pending", "promoted"]), outcomes
+        begun = [job.wait_line("begun", rank=0) for job in (job_a, job_b)]
+        codes = [job.wait()[0] for job in (job_a, job_b)]
         commit = commit_of(seaweed, root, 7)
         assert commit is not None
-        winner = next(o for o in outcomes if o.state == "promoted")
-        assert winner.path == f"{root}/step_7/{commit['attempt']}"
-        loser = next(o for o in outcomes if o.state != "promoted")
-        if loser.state == "failed":
-            assert loser.reason is not None and "another daemon committed" in loser.reason
+        # Exactly one attempt is the step's; it is one of the two daemons'.
+        won = [i for i, b in enumerate(begun) if b["attempt"] == commit["attempt"]]
+        assert len(won) == 1, (begun, commit)
+        winner, loser = won[0], 1 - won[0]
+        assert codes[winner] == 0
+        daemon = (first, second)[winner]
+        with CheckpointClient(str(daemon.socket_path)) as client:
+            outcome = client.wait(root, 7, timeout=60)
+        assert outcome.state == "promoted"
+        assert outcome.path == f"{root}/step_7/{commit['attempt']}"
+        other = (first, second)[loser]
+        if begun[loser]["attempt"] is None:
+            # Its begin came after the commit: refused (already promoted), nothing written.
+            assert codes[loser] != 0
+        else:
+            failed = other.wait_event("checkpoint.failed", timeout=60)
+            assert "another daemon committed step 7 first" in failed["reason"], failed
+            assert not [e for e in other.drain() if e["event"] == "checkpoint.promoted"]
 
 
 class TestRankDies:
