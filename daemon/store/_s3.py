@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 
 import msgspec
 
-from orchestrator.protocol import AttemptMarker, ErrorCode, FileEntry
+from orchestrator.protocol import LAYOUT_FILE, AttemptMarker, ErrorCode, FileEntry, RootInfo
 
 from ..base._errors import PromotionError, RequestError
 from ..base._faults import crash_point
@@ -38,7 +38,6 @@ from ._verify import Manifest
 
 __all__ = ["S3Storage"]
 
-LAYOUT_NAME = ".ckptd-layout.json"
 _URL = re.compile(r"^(s3://[^/]+(?:/.*?)?)/([^/]+?)(\d+)(?:/([^/]+))?$")
 
 
@@ -362,17 +361,12 @@ class S3Storage(S3Keep, S3Nodes):
             StoreError: the store is refused (it ignores conditional writes) or failed.
         """
         bucket = self.bucket(root)
-        info = {
-            "path": root.path,
-            "tmp_prefix": root.tmp_prefix,
-            "final_prefix": root.final_prefix,
-            "pointer": root.pointer,
-        }
-        data = msgspec.json.encode(info)
-        got = bucket.get(LAYOUT_NAME)
+        info = RootInfo(root.path, root.tmp_prefix, root.final_prefix, root.pointer)
+        data = msgspec.json.encode(info) + b"\n"  # as on a filesystem root
+        got = bucket.get(LAYOUT_FILE)
         if got is not None and got[0] == data:
             return False
-        bucket.put(LAYOUT_NAME, data)
+        bucket.put(LAYOUT_FILE, data)
         return True
 
     # -- attempts ----------------------------------------------------------------------
