@@ -472,3 +472,25 @@ class TestNodes:
         assert f"step_8/{attempt}/.ckptd-node-n0.json" in keys
         assert f"step_8/{attempt}/.ckptd-node-n1.json" in keys
         assert f"step_8/{attempt}/.ckptd-verdict.json" in keys
+
+    def test_a_follower_rank_dies(
+        self,
+        seaweed: S3Server,
+        daemons: Callable[..., DaemonProcess],
+        jobs: Callable[..., Job],
+    ) -> None:
+        root = seaweed.root()
+        leader = daemons([root], seaweed.env(), "n0", "--node", "n0")
+        follower = daemons([root], seaweed.env(), "n1", "--node", "n1")
+        env = {**seaweed.env(), "LOCAL_WORLD_SIZE": "1"}
+        sockets = [leader.socket_path, follower.socket_path]
+        job = jobs(sockets, env, root, 2, "--step", "9", "--die-mid-upload", "--run", "r")
+        begun = job.wait_line("begun", rank=0)
+        job.wait_line("dying", rank=1)
+        failed = leader.wait_event("checkpoint.failed", timeout=90)
+        assert failed["step"] == 9
+        follower.wait_event("checkpoint.failed", timeout=90)
+        job.kill()
+        assert commit_of(seaweed, root, 9) is None
+        keys = seaweed.keys(root)
+        assert f"step_9/{begun['attempt']}/.ckptd-verdict.json" in keys
