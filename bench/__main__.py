@@ -30,6 +30,7 @@ from . import (
     multinode,
     promotion,
     retention,
+    s3,
     stall,
     throughput,
 )
@@ -46,6 +47,7 @@ BENCHMARKS: dict[str, Callable[[bool], BenchResult]] = {
     "metrics": metrics.run,
     "multinode": multinode.run,
     "retention": retention.run,
+    "s3": s3.run,
 }
 """Every benchmark, in the order they run, by the name ``--only`` takes."""
 

@@ -6,6 +6,8 @@ Llama built from a config (no download) trains on random tokens with AdamW under
 ``dcp.async_save`` through ``orchestrator.async_save`` and goes straight back to
 training; the node's ckptd promotes ``tmp_step_N`` to ``step_N`` once every rank's
 uploads have landed. On start it resumes from the newest promoted checkpoint, if any.
+The root may be an object store (``s3://BUCKET/PREFIX``): each rank then uploads
+straight to it, and ckptd commits each step with one conditional write.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
+import re
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,12 +45,24 @@ def build_model() -> torch.nn.Module:
     return model
 
 
-def latest_step(root: str) -> int | None:
-    """The step the root's ``latest`` pointer names (written only by ckptd)."""
-    try:
-        return int(os.readlink(os.path.join(root, "latest")).removeprefix("step_"))
-    except (OSError, ValueError):
+def latest_checkpoint(root: str) -> tuple[int, str] | None:
+    """The step and the path (or URL) of the root's ``latest`` checkpoint (ckptd's word).
+
+    On a filesystem the ``latest`` symlink; on an object store (``s3://``) one GET of the
+    ``latest`` pointer object, which names only a committed step.
+    """
+    where = orchestrator.latest(root)
+    if where is None:
         return None
+    match = re.search(r"/step_(\d+)(?:/[0-9a-f]+)?$", where)
+    return (int(match.group(1)), where) if match else None
+
+
+def load_dir(path: str) -> dict[str, Any]:
+    """``dcp.load``'s arguments for a DCP directory on a filesystem or an object store."""
+    if path.startswith("s3://"):
+        return {"checkpoint_id": path, "storage_reader": orchestrator.storage_reader(path)}
+    return {"checkpoint_id": path}
 
 
 def main() -> None:
@@ -68,12 +83,12 @@ def main() -> None:
     client = orchestrator.CheckpointClient()
 
     start = 0
-    resume = latest_step(args.root)
-    if resume is not None:
+    found = latest_checkpoint(args.root)
+    if found is not None:
+        resume, step_dir = found
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        step_dir = os.path.join(args.root, f"step_{resume}")
-        dcp_load({"model": model_sd}, checkpoint_id=os.path.join(step_dir, "model"))
-        dcp_load({"optim": optim_sd}, checkpoint_id=os.path.join(step_dir, "optim"))
+        dcp_load({"model": model_sd}, **load_dir(f"{step_dir}/model"))
+        dcp_load({"optim": optim_sd}, **load_dir(f"{step_dir}/optim"))
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
         start = resume
         if rank == 0:
@@ -100,10 +115,10 @@ def main() -> None:
             {"optim": optim_sd}, root=args.root, step=step, subdir="optim", handle=handle
         )
         if rank == 0:  # the step's directory exists once save() has returned
-            info = os.path.join(handle.path, "training_info.json")
-            with open(info, "w") as fh:
-                json.dump({"step": step, "loss": loss.item()}, fh)
-            handle.add_files([orchestrator.FileEntry("training_info.json", os.path.getsize(info))])
+            info = json.dumps({"step": step, "loss": loss.item()}).encode()
+            with orchestrator.open_file(f"{handle.path}/training_info.json", "wb") as fh:
+                fh.write(info)
+            handle.add_files([orchestrator.FileEntry("training_info.json", len(info))])
         handle.seal()
         blocked_ms = (time.perf_counter() - began) * 1000
         if rank == 0:

@@ -16,6 +16,7 @@ from .protocol import FileEntry, default_socket_path
 if TYPE_CHECKING:
     from ._client import CheckpointClient
     from ._dcp import AfterBeginPlanner, async_save, checkpoint_group, default_client
+    from ._objstore import latest, open_file, storage_reader, storage_writer
     from ._pending import Begun, PendingBegin
     from ._tracking import SaveHandle, files_from_metadata
 
@@ -33,6 +34,10 @@ __all__ = [
     "default_client",
     "default_socket_path",
     "files_from_metadata",
+    "latest",
+    "open_file",
+    "storage_reader",
+    "storage_writer",
 ]
 
 _LAZY = {
@@ -45,6 +50,10 @@ _LAZY = {
     "async_save": "._dcp",
     "checkpoint_group": "._dcp",
     "default_client": "._dcp",
+    "latest": "._objstore",
+    "open_file": "._objstore",
+    "storage_reader": "._objstore",
+    "storage_writer": "._objstore",
 }
 """Names loaded on first use, and the module each comes from."""
 

@@ -17,6 +17,7 @@ from typing import Any, Final
 
 from . import protocol as p
 from ._layout import make_step_dir
+from ._objstore import is_object_url
 from ._ops import OpsClient
 from ._pending import PendingBegin
 from ._tracking import SaveHandle
@@ -119,6 +120,8 @@ class CheckpointClient(OpsClient):
         handle, pending = self._open(root, step, rank, world_size, local_world_size)
         if wait:
             pending.result()
+        if is_object_url(root):
+            return handle  # no directories there; the attempt's prefix is the reply's
         path = pending.path  # waits only for a root whose layout is unknown (see above)
         answer = pending.known()
         if answer is None or answer.error is None:  # nothing of a known refusal is made

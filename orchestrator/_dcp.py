@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_asyn
 
 from ._client import CheckpointClient
 from ._errors import SaveRefused
+from ._objstore import attempt_writer, is_object_url, storage_writer
 from ._tracking import SaveHandle, describe
 from .protocol import ErrorInfo
 
@@ -102,8 +103,13 @@ def async_save(
 
     Args:
         state_dict: What to save, as for ``dcp.async_save``.
-        root: The checkpoint root the daemon is configured with.
-        step: The step; written into ``ROOT/tmp_step_{step}/{subdir}``.
+        root: The checkpoint root the daemon is configured with: a directory, or
+            ``s3://BUCKET/PREFIX`` (each rank then uploads its shards straight to the
+            store through DCP's ``FsspecWriter``, under the prefix of the attempt the
+            daemon's ``begin`` reply names; DCP's upload thread waits for that reply,
+            at most the client's ``begin_timeout``, not the training thread).
+        step: The step; written into ``ROOT/tmp_step_{step}/{subdir}`` (on an object
+            store, ``ROOT/step_{step}/ATTEMPT/{subdir}``).
         subdir: DCP directory inside the step (e.g. ``"model"``); default the step dir.
         client: The daemon client; default :func:`default_client`.
         handle: The step's :class:`SaveHandle` when it is written in several parts; the
@@ -170,9 +176,22 @@ def async_save(
         if refusal is not None:
             # Nothing may be written: DCP's plan fails on every rank instead.
             kwargs["planner"] = _RefusedPlanner(_refused(handle, refusal))
-    base = handle.path if handle is not None else path
-    assert base is not None
-    checkpoint_id = os.path.join(base, subdir) if subdir else base
+    checkpoint_id: str | None
+    lazy = planner is not None and "storage_writer" not in kwargs  # not pickled elsewhere
+    if is_object_url(root) and lazy and handle is not None:
+        # Straight to the store, under the attempt's own prefix, which the begin's reply
+        # names: the upload thread learns it, the training thread does not wait for it.
+        begun = handle
+        kwargs["storage_writer"] = attempt_writer(
+            root, lambda: f"{begun.path}/{subdir}" if subdir else begun.path
+        )
+        checkpoint_id = None
+    else:
+        base = handle.path if handle is not None else path
+        assert base is not None
+        checkpoint_id = os.path.join(base, subdir) if subdir else base
+        if is_object_url(checkpoint_id) and "storage_writer" not in kwargs:
+            kwargs["storage_writer"] = storage_writer(checkpoint_id)
     try:
         result = dcp_async_save(
             state_dict, checkpoint_id=checkpoint_id, process_group=group, **kwargs

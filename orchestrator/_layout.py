@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from typing import Final
 
 import msgspec
 
 from . import protocol as p
+from ._objstore import is_object_url
 
 __all__ = ["DEFAULT_TMP_PREFIX", "Layouts", "make_step_dir", "read_layout_file"]
 
@@ -61,8 +63,11 @@ def make_step_dir(path: str) -> None:
 
     One ``mkdir`` (the daemon or DCP may create it at the same moment: that is fine);
     the root too if it is missing. A directory that cannot be created is logged: the
-    save's own writes will fail and report it.
+    save's own writes will fail and report it. An object store has no directories:
+    nothing is made there.
     """
+    if is_object_url(path):
+        return
     try:
         os.mkdir(path)
     except FileExistsError:
@@ -91,7 +96,13 @@ class Layouts:
         return None if layout is None else os.path.join(layout[0], f"{layout[1]}{step}")
 
     def known(self, root: str, step: int) -> str | None:
-        """The step's directory, learned or from the root's layout file; None if neither."""
+        """The step's directory, learned or from the root's layout file; None if neither.
+
+        Always None on an object store: there each attempt writes under its own prefix,
+        which only the daemon's ``begin`` reply names.
+        """
+        if is_object_url(root):
+            return None
         path = self.learned(root, step)
         if path is not None:
             return path
@@ -105,7 +116,12 @@ class Layouts:
 
     @staticmethod
     def default(root: str, step: int) -> str:
-        """The step's directory under the default prefix."""
+        """The step's directory under the default prefix.
+
+        On an object store, a prefix of its own that no attempt has (never promoted).
+        """
+        if is_object_url(root):
+            return f"{root}/step_{step}/unacknowledged-{uuid.uuid4().hex[:16]}"
         return os.path.join(root, f"{DEFAULT_TMP_PREFIX}{step}")
 
     def learn(self, root: str, step: int, path: str) -> None:

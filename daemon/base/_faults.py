@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Final
 
-__all__ = ["GC_POINTS", "NODE_POINTS", "POINTS", "RETENTION_POINTS", "crash_point"]
+__all__ = ["GC_POINTS", "NODE_POINTS", "POINTS", "RETENTION_POINTS", "S3_POINTS", "crash_point"]
 
 POINTS: Final = (
     "before_intent",
@@ -24,6 +24,16 @@ POINTS: Final = (
     "after_promoted",
 )
 """Every crash point, in the order promotion reaches them."""
+
+S3_POINTS: Final = (
+    "before_intent",
+    "after_intent",
+    "after_commit",
+    "after_pointer",
+    "after_promoted",
+)
+"""Every crash point of a promotion on an object store, in order: there the commit
+object (``after_commit``) takes the place of the manifest, fsyncs and rename."""
 
 GC_POINTS: Final = ("gc_after_doom",)
 """Crash points of ``gc``: after its renames into the trash, before it journals or

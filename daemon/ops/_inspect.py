@@ -16,8 +16,9 @@ from orchestrator import protocol as p
 
 from ..base._errors import VerificationError
 from ..config._config import RootConfig
+from ..config._root import abspath
 from ..store._attempts import TRASH
-from ..store._local import LocalStorage
+from ..store._routed import RoutedStorage
 from ..store._storage import Storage
 from ..store._verify import Manifest
 from . import _retention_cmds as retention_cli
@@ -28,8 +29,8 @@ __all__ = ["latest", "ls", "root_layout", "verify"]
 
 def root_layout(args: argparse.Namespace, status: dict[str, Any] | None) -> RootConfig:
     """The root's directory names: the daemon's configuration when it answers."""
-    path = os.path.abspath(args.root)
-    real = os.path.realpath(path)
+    path = abspath(args.root)
+    real = path if path.startswith("s3://") else os.path.realpath(path)
     names = {"tmp_prefix": args.tmp_prefix, "final_prefix": args.final_prefix}
     names["pointer"] = args.pointer
     for layout in (status or {}).get("layouts", []):
@@ -42,7 +43,7 @@ def ls(args: argparse.Namespace) -> int:
     status = daemon_status(args)
     root = root_layout(args, status)
     known = {s["step"]: s for s in (status or {}).get("saves", []) if s["root"] == root.path}
-    storage = LocalStorage()
+    storage = RoutedStorage()
     latest = storage.read_pointer(root)
     kept = retention_cli.kept_column(retention(args, root) if status else None)
     rows: list[dict[str, Any]] = []
@@ -54,7 +55,8 @@ def ls(args: argparse.Namespace) -> int:
                 {
                     "step": step,
                     "state": "promoted",
-                    "path": full,
+                    # On an object store, the committed attempt's prefix readers load.
+                    "path": storage.locate(root, step) if root.on_object_store else full,
                     "bytes": manifest.bytes if manifest else None,
                     "files": len(manifest.files) if manifest else None,
                     "latest": step == latest,
@@ -143,16 +145,17 @@ def latest(args: argparse.Namespace) -> int:
         return 0
     if reply is not None and reply["error"]["code"] != p.ErrorCode.ROOT_NOT_CONFIGURED:
         return refused(reply)
-    step = LocalStorage().latest_promoted(root)
+    storage = RoutedStorage()
+    step = storage.latest_promoted(root)
     if step is None:
         print(f"ckptd: {root.path} has no promoted checkpoint", file=sys.stderr)
         return 1
-    print(root.final_dir(step))
+    print(storage.locate(root, step))
     return 0
 
 
 def verify(args: argparse.Namespace) -> int:
-    problems = LocalStorage().verify_checkpoint(os.path.abspath(args.path))
+    problems = RoutedStorage().verify_checkpoint(abspath(args.path))
     if args.json:
         print(json.dumps({"path": args.path, "ok": not problems, "problems": problems}))
     elif problems:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import sys
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ import msgspec
 from orchestrator import protocol as p
 
 from ..config._config import RootConfig, default_socket_path
+from ..config._root import abspath
 from . import _retention_cmds as retention_cli
 
 __all__ = [
@@ -147,7 +147,7 @@ def _human_event(event: dict[str, Any]) -> str:
 
 
 def promote(args: argparse.Namespace) -> int:
-    root = os.path.abspath(args.root)
+    root = abspath(args.root)
     reply = call(args, p.Promote(id=1, root=root, step=args.step), 700.0)
     if not reply["ok"]:
         return refused(reply)
@@ -161,7 +161,7 @@ def promote(args: argparse.Namespace) -> int:
 def gc(args: argparse.Namespace) -> int:
     if args.policy:
         return retention_cli.policy_report(args, call, refused)
-    root = os.path.abspath(args.root)
+    root = abspath(args.root)
     reply = call(args, p.Gc(id=1, root=root, remove=args.yes), 600.0)
     if not reply["ok"]:
         return refused(reply)

@@ -10,12 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from orchestrator import protocol as p
+
+from ..config._root import abspath
 
 __all__ = ["add_commands", "kept_column", "policy_report"]
 
@@ -44,7 +45,7 @@ def add_commands(command: Command, call: Call, refused: Callable[[dict[str, Any]
                 print(f"ckptd: {pair!r} is not NAME=NUMBER", file=sys.stderr)
                 return 2
             metrics[name] = number
-        root = os.path.abspath(args.root)
+        root = abspath(args.root)
         code = send(args, p.Score(id=1, root=root, step=args.step, metrics=metrics))
         if code == 0:
             shown = " ".join(f"{k}={v:g}" for k, v in metrics.items())
@@ -52,14 +53,14 @@ def add_commands(command: Command, call: Call, refused: Callable[[dict[str, Any]
         return code
 
     def pin(args: argparse.Namespace) -> int:
-        root = os.path.abspath(args.root)
+        root = abspath(args.root)
         code = send(args, p.Pin(id=1, root=root, step=args.step))
         if code == 0:
             print(f"pinned step {args.step}: never retired until unpinned")
         return code
 
     def unpin(args: argparse.Namespace) -> int:
-        root = os.path.abspath(args.root)
+        root = abspath(args.root)
         code = send(args, p.Unpin(id=1, root=root, step=args.step))
         if code == 0:
             print(f"unpinned step {args.step}")
@@ -69,7 +70,7 @@ def add_commands(command: Command, call: Call, refused: Callable[[dict[str, Any]
         if not 0 <= args.ttl <= 30 * 24 * 3600:
             print("ckptd: --ttl must be 0 to 2592000 seconds (30 days)", file=sys.stderr)
             return 2
-        root = os.path.abspath(args.root)
+        root = abspath(args.root)
         code = send(args, p.Hold(id=1, root=root, step=args.step, ttl=args.ttl))
         if code == 0 and args.ttl > 0:
             print(f"held step {args.step} for {args.ttl:g}s")
@@ -109,7 +110,7 @@ def kept_column(reply: dict[str, Any] | None) -> dict[int, str]:
 
 def policy_report(args: argparse.Namespace, call: Call, refused: Callable[..., int]) -> int:
     """``ckptd gc ROOT --policy [--yes]``: what the policy would retire (retire it)."""
-    root = os.path.abspath(args.root)
+    root = abspath(args.root)
     reply = call(args, p.Retention(id=1, root=root, apply=args.yes), 600.0)
     if not reply["ok"]:
         return refused(reply)

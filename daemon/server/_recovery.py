@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import time
 from collections.abc import Iterable
 from functools import partial
@@ -101,9 +102,16 @@ async def _scan_root(
     try:
         await daemon.lanes.run(root.path, daemon.storage.write_layout, root)
     except OSError as exc:
-        # Clients then fall back to the default names while the daemon is down.
         error = exc.strerror or str(exc)
-        daemon.events.emit("root.layout_failed", "warning", root=root.path, error=error)
+        if root.on_object_store:
+            # The probe of the store failed: its requests fail with this, others go on.
+            refused = exc.errno == errno.EPROTO  # it ignores conditional writes
+            daemon.events.emit(
+                "root.store_unusable", "error", root=root.path, error=error, refused=refused
+            )
+        else:
+            # Clients then fall back to the default names while the daemon is down.
+            daemon.events.emit("root.layout_failed", "warning", root=root.path, error=error)
     try:
         steps = await daemon.lanes.run(
             root.path, daemon.storage.unknown_tmp_dirs, root, (), abandon=True

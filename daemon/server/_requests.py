@@ -135,7 +135,14 @@ class Requests(Rescues):
                 )
                 if step_found is None:
                     raise RequestError(p.ErrorCode.NOT_FOUND, f"{root.path} has no promoted step")
-                path = root.final_dir(step_found)
+                try:
+                    path = await self.lanes.run(
+                        root.path, self.storage.locate, root, step_found, abandon=True
+                    )
+                except FileNotFoundError:
+                    raise RequestError(
+                        p.ErrorCode.NOT_FOUND, f"{root.path} has no promoted step"
+                    ) from None
                 return p.LatestReply(id=request.id, path=path, step=step_found)
             case p.Promote(root=root_path, step=step, timeout=timeout):
                 root = self.configured(root_path)
@@ -193,7 +200,7 @@ class Requests(Rescues):
             if found.promoted:
                 return p.BeginReply(
                     id=request.id,
-                    path=root.tmp_dir(key.step),
+                    path=root.save_dir(key.step, found.attempt),
                     state=p.SaveState.PROMOTED,
                     attempt=found.attempt,
                 )
@@ -239,7 +246,10 @@ class Requests(Rescues):
         if save.state is p.SaveState.FAILED:
             raise RequestError(p.ErrorCode.STEP_FAILED, f"step {key.step} failed: {save.reason}")
         return p.BeginReply(
-            id=request.id, path=root.tmp_dir(key.step), state=save.state, attempt=save.attempt
+            id=request.id,
+            path=root.save_dir(key.step, save.attempt),
+            state=save.state,
+            attempt=save.attempt,
         )
 
     async def _admit(self, root: RootConfig, key: SaveKey, *, adopting: bool = False) -> None:

@@ -34,8 +34,8 @@ from ..ops._health import HealthCheck
 from ..retention.applier import Retention
 from ..store._journal import Journal
 from ..store._lanes import Lanes
-from ..store._local import LocalStorage
 from ..store._mounts import is_local, mount_table
+from ..store._routed import RoutedStorage
 from ..store._storage import Storage
 from ..store._trash import TrashRemover
 from ._connection import Connection
@@ -87,7 +87,7 @@ class Daemon(Requests):
         self.collecting: set[SaveKey] = set()  # steps gc is removing right now (_collect)
         self.trash = TrashRemover(self.events, config.roots)
         """Deletes what gc doomed, in the background; started by ``serve``."""
-        self.storage: Storage = storage or LocalStorage()
+        self.storage: Storage = storage or RoutedStorage()
         """Every effect on the roots (:mod:`daemon.store._storage`)."""
         self.promoter = Promoter(self)
         self.lanes = Lanes(
@@ -111,7 +111,11 @@ class Daemon(Requests):
         self.health = HealthCheck(self)
         """Answers ``health`` (probes)."""
         mounts = mount_table()
-        self._local = {r.path for r in config.roots if is_local(r.real or r.path, mounts)}
+        self._local = {
+            r.path
+            for r in config.roots
+            if not r.on_object_store and is_local(r.real or r.path, mounts)
+        }
         """Roots on a local filesystem: their per-save checks run on the event loop."""
         self.nodes = Nodes(self, run=self._run_for, local_roots=self._local)
         """Saves that span nodes: the attempt agreed, markers written and watched."""

@@ -200,6 +200,17 @@ class LocalStorage:
         """See :func:`daemon.store._promote.latest_promoted`."""
         return _promote.latest_promoted(root)
 
+    def locate(self, root: RootConfig, step: int) -> str:
+        """``step_N`` of the root: the checkpoint's own directory.
+
+        Raises:
+            FileNotFoundError: it is not there.
+        """
+        final = root.final_dir(step)
+        if not os.path.isdir(final):
+            raise FileNotFoundError(final)
+        return final
+
     def sync_root(self, root: RootConfig) -> None:
         """Fsync the root directory."""
         fsync_dir(root.path)

@@ -140,6 +140,14 @@ class Storage(Protocol):
         """The step the pointer names, if that checkpoint exists."""
         ...
 
+    def locate(self, root: RootConfig, step: int) -> str:
+        """Where readers load the promoted step (``step_N``; an object store's URL).
+
+        Raises:
+            FileNotFoundError: the step is not promoted.
+        """
+        ...
+
     def sync_root(self, root: RootConfig) -> None:
         """Make the root's entries (renames into and out of it) durable."""
         ...

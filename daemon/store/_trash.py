@@ -239,7 +239,8 @@ class TrashRemover:
 
         self._emit = emit
         for path, root in self._roots.items():
-            self._removers[path] = _RootRemover(root, emit, self._workers, self._gate(path))
+            if not root.on_object_store:  # deleted in place there: nothing is doomed
+                self._removers[path] = _RootRemover(root, emit, self._workers, self._gate(path))
 
     @contextlib.contextmanager
     def pause(self, root: RootConfig) -> Iterator[None]:
@@ -263,6 +264,8 @@ class TrashRemover:
     def add(self, root: RootConfig) -> None:
         """Remove ``root``'s doomed entries too (a root a reload added); on the event loop."""
         self._roots[root.path] = root
+        if root.on_object_store:
+            return
         if self._emit is not None and root.path not in self._removers:
             gate = self._gate(root.path)
             self._removers[root.path] = _RootRemover(root, self._emit, self._workers, gate)
