@@ -259,9 +259,11 @@ class LocalStorage:
         """See :func:`daemon.store._markers.read_verdict`."""
         return _markers.read_verdict(root, step, attempt)
 
-    def read_outcome(self, root: RootConfig, step: int, attempt: str) -> Outcome | None:
+    def read_outcome(
+        self, root: RootConfig, step: int, attempt: str, *, full: bool = True
+    ) -> Outcome | None:
         """See :func:`daemon.store._markers.read_outcome`."""
-        return _markers.read_outcome(root, step, attempt)
+        return _markers.read_outcome(root, step, attempt, full=full)
 
     def spanning_attempt(self, root: RootConfig, step: int) -> AttemptMarker | None:
         """See :func:`daemon.store._markers.spanning_attempt`."""

@@ -203,7 +203,9 @@ class Storage(Protocol):
         """An attempt's recorded verdict, if one was written."""
         ...
 
-    def read_outcome(self, root: RootConfig, step: int, attempt: str) -> Outcome | None:
+    def read_outcome(
+        self, root: RootConfig, step: int, attempt: str, *, full: bool = True
+    ) -> Outcome | None:
         """An attempt's outcome as other nodes learn it: verdict or promoted step."""
         ...
 
