@@ -90,7 +90,12 @@ class Waker:
         self._changed = anyio.Event()
 
     def poke(self) -> None:
-        """Wake the watcher now (its node's own state changed: it looks at once)."""
+        """Wake the watcher now (its node's own state changed: it looks at once).
+
+        The next wait starts a new random phase: the nodes of a job are poked together
+        (their ranks finished together), and must not look in step from then on.
+        """
+        self._first = self._stretch > 0
         self._changed.set()
 
     async def _pump(self) -> None:

@@ -111,7 +111,7 @@ unchanged ``writing`` marker is read again (infinity for ``done`` and ``failed``
 WRITING_REREAD: Final = 1.0
 """Seconds after which an unchanged ``writing`` marker is read again: its replacement by
 the ``done`` one can keep the cached attributes (on NFS, ``open()`` sees it first)."""
-REREADS_PER_S: Final = 100.0
+REREADS_PER_S: Final = 20.0
 """At most this many unchanged ``writing`` markers are read again a second, however many
 nodes write: each is read again every ``max(WRITING_REREAD, writing / REREADS_PER_S)``."""
 _UNKNOWN_INO: Final = frozenset({0, 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF})
