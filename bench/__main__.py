@@ -30,6 +30,7 @@ from . import (
     multinode,
     promotion,
     retention,
+    scale,
     stall,
     throughput,
 )
@@ -46,6 +47,7 @@ BENCHMARKS: dict[str, Callable[[bool], BenchResult]] = {
     "metrics": metrics.run,
     "multinode": multinode.run,
     "retention": retention.run,
+    "scale": scale.run,
 }
 """Every benchmark, in the order they run, by the name ``--only`` takes."""
 

@@ -185,14 +185,14 @@ class _Job:
         return reply
 
     def _close_sim(self) -> None:
-        if self.sim.poll() is None:
-            assert self.sim.stdin is not None
-            self.sim.stdin.close()
-            try:
-                self.sim.wait(timeout=60.0)
-            except subprocess.TimeoutExpired:
-                self.sim.kill()
-                self.sim.wait()
+        assert self.sim.stdin is not None and self.sim.stdout is not None
+        self.sim.stdin.close()  # the simulated nodes stop at the end of their input
+        try:
+            self.sim.wait(timeout=60.0)
+        except subprocess.TimeoutExpired:
+            self.sim.kill()
+            self.sim.wait()
+        self.sim.stdout.close()
 
     def _all(self, sends: list[tuple[_Line, str, dict[str, Any]]]) -> None:
         ids = [(conn, conn.send(op, **fields)) for conn, op, fields in sends]
