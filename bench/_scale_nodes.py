@@ -51,8 +51,8 @@ class _Nodes:
             poll_interval=args.poll_interval,
             poll_budget=args.poll_budget,
         )
-        self.ranks = args.ranks
-        self.world = args.nodes * args.ranks
+        self.ranks: int = args.ranks
+        self.world: int = args.nodes * args.ranks
         self.errors: list[dict[str, Any]] = []
         self.daemons: list[Daemon] = []
         for i in range(1, args.nodes):
