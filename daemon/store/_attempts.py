@@ -99,9 +99,11 @@ def prepare(
     the run of the job the attempt belongs to. The marker is written to a
     unique temporary name, fsynced and renamed into place, and the directory fsynced.
 
-    Without ``sync``, the root and the trash (when a directory was created or moved
-    there) are left for the caller to flush (:attr:`Prepared.unsynced`): outside the
-    root's lock, where the flushes of concurrent new attempts are shared.
+    Without ``sync``, only the marker's contents are flushed (before its rename, so a
+    crash never leaves a torn one): its directory, and the root and the trash when a
+    directory was created or moved there, are left for the caller to flush
+    (:attr:`Prepared.unsynced`), outside the root's lock, where the flushes of
+    concurrent new attempts overlap or are shared.
 
     Raises:
         OSError: the directory cannot be moved, created or marked.
@@ -129,7 +131,9 @@ def prepare(
         created=datetime.now(UTC).isoformat(),
         run=run,
     )
-    write_atomic(os.path.join(tmp, ATTEMPT_MARKER), msgspec.json.encode(marker))
+    write_atomic(os.path.join(tmp, ATTEMPT_MARKER), msgspec.json.encode(marker), sync_dir=sync)
+    if not sync:
+        unsynced.insert(0, tmp)
     if created or moved is not None:
         if sync:
             fsync_dir(root.path)
