@@ -77,6 +77,9 @@ WRITING_REREAD = 1.0
 """``daemon.store._markers.WRITING_REREAD``."""
 LISTED_BYTES = 48
 """Bytes of a directory listing per node marker (``getdents64``: 19 + its name)."""
+STRACE_NODES = 1024
+"""Up to this many nodes the simulated nodes are counted by strace too, as a check of
+the kernel's counters; beyond, strace's stops would slow them too much."""
 GOAL_OPS = 2000.0
 GOAL_LEARN_S = 2.0
 _FILE = b"\0" * 4096
@@ -121,7 +124,9 @@ def model(
 class _Job:
     """The leader daemon, its ranks, and the simulated nodes' process, on one root."""
 
-    def __init__(self, stack: ExitStack, work: Path, n: int, fs: str, ranks: int) -> None:
+    def __init__(
+        self, stack: ExitStack, work: Path, n: int, fs: str, ranks: int, counters: _fsops.Counters
+    ) -> None:
         self.n, self.ranks, self.fs = n, ranks, fs
         wrap_leader: list[str] = []
         wrap_nodes: list[str] = []
@@ -155,14 +160,16 @@ class _Job:
             stack.callback(line.close)
         nodes_home = work / "sim"
         nodes_home.mkdir()
-        cmd = [*wrap_nodes, sys.executable, "-m", "bench._scale_nodes", "--root", str(self.root)]
+        cmd = [*wrap_nodes, *counters.prefix, sys.executable, "-m", "bench._scale_nodes"]
+        cmd += ["--root", str(self.root)]
         cmd += ["--home", str(nodes_home), "--nodes", str(n), "--ranks", str(ranks)]
         cmd += ["--poll-interval", str(POLL_S), "--poll-budget", str(BUDGET)]
         env = {**os.environ, "PYTHONPATH": str(REPO)}
+        counters.started = time.time()
         self.sim = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=REPO, text=True
         )
-        stack.callback(self._close_sim)
+        stack.callback(self.close_nodes)
         self._ask_ready()
 
     def _ask_ready(self) -> None:
@@ -184,7 +191,8 @@ class _Job:
             raise RuntimeError(f"a simulated node reported: {reply['errors']}")
         return reply
 
-    def _close_sim(self) -> None:
+    def close_nodes(self) -> None:
+        """End the simulated nodes' process (again: nothing)."""
         assert self.sim.stdin is not None and self.sim.stdout is not None
         self.sim.stdin.close()  # the simulated nodes stop at the end of their input
         try:
@@ -289,34 +297,58 @@ def _measure(
     """One job of ``n`` nodes: the first step counted under strace, the rest timed."""
     with ExitStack() as stack:
         work = stack.enter_context(_scratch())
-        job = _Job(stack, work, n, fs, ranks)
-        tracers = {
-            "leader": _fsops.Tracer([job.leader.pid], work / "leader.strace"),
-            "nodes": _fsops.Tracer([job.sim.pid], work / "nodes.strace"),
-        }
+        counters = _fsops.Counters(work / "nodes.perf")
+        job = _Job(stack, work, n, fs, ranks, counters)
+        tracers = {"leader": _fsops.Tracer([job.leader.pid], work / "leader.strace")}
+        if n <= STRACE_NODES:
+            nodes_pid = _child(job.sim.pid)
+            tracers["nodes"] = _fsops.Tracer([nodes_pid], work / "nodes.strace")
         try:
             counted = job.step(1, wait_s, idle_s)
         finally:
             for tracer in tracers.values():
                 tracer.stop()
         windows = {
-            "idle": (counted["t_idle"], counted["t_open"]),
+            # Clear of the 100 ms intervals of the kernel's counts that hold the
+            # nodes' start-up and the step's first begins.
+            "idle": (counted["t_idle"] + 0.3, counted["t_open"] - 0.15),
             "writing": (counted["t_wait"], counted["t_writing_end"]),
             "settling": (counted["t_done"], counted["t_learned"]),
             "step": (counted["t_open"], counted["t_learned"] + 0.001),
         }
         under = [str(job.root), str(job.backing)]
         by = {who: _fsops.count(t.out, under, windows) for who, t in tracers.items()}
-        ops = {w: by["leader"][w] + by["nodes"][w] for w in windows}
         timed = [job.step(2 + i, wait_s, idle_s) for i in range(reps)]
+        job.close_nodes()  # perf writes its last counts as the nodes' process ends
+        kernel = counters.count(windows)
+    ops = {w: by["leader"][w] + kernel[w] for w in windows}
     seconds = {k: max(b - a, 1e-9) for k, (a, b) in windows.items()}
     return {
         "ops": {k: dict(v) for k, v in ops.items()},
         "leader_ops": {k: dict(v) for k, v in by["leader"].items()},
+        "nodes_perf": {k: dict(v) for k, v in kernel.items()},
+        "nodes_strace": {k: dict(v) for k, v in by["nodes"].items()} if "nodes" in by else None,
         "seconds": seconds,
         "counted": counted,
         "timed": timed,
     }
+
+
+def _child(pid: int, timeout: float = 30.0) -> int:
+    """The process ``perf`` (or ``nsenter``, then ``perf``) runs: the Python under it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with open(f"/proc/{pid}/task/{pid}/children", encoding="ascii") as fh:
+            kids = [int(k) for k in fh.read().split()]
+        if kids:
+            with open(f"/proc/{kids[0]}/comm", encoding="ascii") as fh:
+                if fh.read().strip().startswith("python"):
+                    return kids[0]
+            pid = kids[0]
+            continue
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no simulated nodes' process under {pid}")
+        time.sleep(0.05)  # the child is being started
 
 
 def _metadata(ops: dict[str, int]) -> float:
@@ -411,6 +443,18 @@ def _rows(
         f"{k}={v}" for k, v in per.items()
     )
     rows.append(row)
+    if got["nodes_strace"] is not None:
+        kernel, traced = (
+            _metadata(got["nodes_perf"]["step"]),
+            _metadata(got["nodes_strace"]["step"]),
+        )
+        row = Row("scale", name, "nodes' ops, perf vs strace", "ops", kernel, n=1)
+        row.baseline, row.baseline_name = traced, "strace"
+        row.ratio = kernel / traced if traced else None
+        row.target = "within 10%"
+        row.met = row.ratio is not None and abs(row.ratio - 1.0) <= 0.10
+        row.note = "the simulated nodes' metadata operations over the counted step"
+        rows.append(row)
     per_step = _metadata(ops["step"])
     row = Row("scale", name, "ops per promotion, per node", "ops", per_step / n, n=1)
     row.note = f"{per_step:.0f} in all, begin to the last node knowing"
