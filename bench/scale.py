@@ -37,6 +37,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -364,6 +365,7 @@ def run(
     reps: int | None = None,
     wait_s: float | None = None,
     idle_s: float | None = None,
+    report: Callable[[list[Row]], None] | None = None,
 ) -> BenchResult:
     """Run benchmark 10.
 
@@ -376,6 +378,7 @@ def run(
         reps: Timed steps per node count, after the counted one.
         wait_s: Seconds the other nodes write while the leader's ranks are done.
         idle_s: Seconds with nothing open before each step.
+        report: Called with each job's rows as soon as it has run.
     """
     counts = nodes or ([64, 256] if quick else [64, 256, 1024, 4096])
     ranks = ranks or (2 if quick else 8)
@@ -398,7 +401,10 @@ def run(
         for n in counts:
             got = _measure(fs, n, ranks=ranks, reps=reps, wait_s=wait_s, idle_s=idle_s)
             raw[f"{fs} {n}"] = got
-            rows += _rows(fs, n, got, cache, leader_s)
+            job_rows = _rows(fs, n, got, cache, leader_s)
+            rows += job_rows
+            if report is not None:
+                report(job_rows)
         ordered = sorted(leader_s)
         for small, big in zip(ordered, ordered[1:], strict=False):
             growth = leader_s[big] / leader_s[small]
@@ -487,6 +493,11 @@ def _rows(
     return rows
 
 
+def _print_now(rows: list[Row]) -> None:
+    print_table(rows)
+    sys.stdout.flush()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true")
@@ -504,6 +515,7 @@ def main() -> None:
         ranks=args.ranks,
         reps=args.reps,
         wait_s=args.wait,
+        report=_print_now,
     )
     print_table(result.rows)
     json.dump(result.raw, sys.stderr, default=str)
