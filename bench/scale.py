@@ -423,6 +423,15 @@ def run(
             row.target, row.met = "<= linear", growth <= big / small
             row.note = "the leader's last marker taken -> promoted, median"
             rows.append(row)
+        if len(ordered) > 2:
+            small, big = ordered[0], ordered[-1]
+            growth = leader_s[big] / leader_s[small]
+            row = Row("scale", f"{fs}, {small} -> {big} nodes", "leader's part growth", "x", growth)
+            row.baseline, row.baseline_name = big / small, "linear"
+            row.ratio = growth / (big / small)
+            row.target, row.met = "<= linear", growth <= big / small
+            row.note = "over the whole range"
+            rows.append(row)
     return BenchResult(rows, raw)
 
 
