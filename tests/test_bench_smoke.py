@@ -124,10 +124,11 @@ class TestRunner:
 
 
 class TestScale:
-    """The scale harness runs 64 simulated nodes against a real leader, counting with strace."""
+    """The scale harness runs 64 simulated nodes against a real leader, counting their calls."""
 
     def test_64_nodes_on_local_disk(self) -> None:
         require_tool("strace")
+        require_tool("perf", "linux-perf")
         result = scale.run(
             nodes=[64], filesystems=["local"], ranks=1, reps=0, wait_s=0.5, idle_s=0.2
         )
