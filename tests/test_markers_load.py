@@ -13,6 +13,7 @@ from daemon.config._config import RootConfig, load_config
 from daemon.nodes._waker import stretched
 from daemon.store._markers import (
     NodeMarker,
+    NodeState,
     marker_name,
     read_markers,
     read_outcome,
@@ -30,10 +31,10 @@ def _root(tmp_path: Path) -> RootConfig:
     return root
 
 
-def _marker(state: str, node: str = "n1") -> NodeMarker:
+def _marker(state: NodeState, node: str = "n1") -> NodeMarker:
     return NodeMarker(
         node=node, attempt="a1", step=1, world_size=2, local_world_size=1, state=state
-    )  # type: ignore[arg-type]
+    )
 
 
 class TestLeadersLook:
