@@ -31,6 +31,7 @@ from . import (
     promotion,
     retention,
     s3,
+    scale,
     stall,
     throughput,
 )
@@ -48,6 +49,7 @@ BENCHMARKS: dict[str, Callable[[bool], BenchResult]] = {
     "multinode": multinode.run,
     "retention": retention.run,
     "s3": s3.run,
+    "scale": scale.run,
 }
 """Every benchmark, in the order they run, by the name ``--only`` takes."""
 

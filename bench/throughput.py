@@ -11,6 +11,8 @@ point by point and interleaved:
 - ``echo``: a bare asyncio newline-JSON echo server (:mod:`bench._echo`), the ceiling
   of the language and the socket here (the baseline);
 - ``ckptd``: the daemon as shipped (on uvloop, journal fsynced on the benchmark's disk);
+- ``ckptd, begin + fail``: each ``begin`` followed by a ``fail`` instead, so every step
+  is a fresh attempt whose directory is marked, then set aside (each durably);
 - ``ckptd, journal on tmpfs`` (full mode): the same with ``--state-dir`` on
   ``/dev/shm``, where ``fsync`` is free: what the daemon's own code costs;
 - ``ckptd on asyncio`` (full mode): the same daemon on the standard library's event loop
@@ -51,7 +53,9 @@ _encode = msgspec.json.encode
 _decode = msgspec.json.decode
 
 
-async def _client(path: str, root: str, ident: int, stop_at: float, lat: list[float]) -> int:
+async def _client(
+    path: str, root: str, ident: int, stop_at: float, lat: list[float], second: str = "done"
+) -> int:
     reader, writer = await asyncio.open_unix_connection(path, limit=1 << 20)
     sent = 0
     step = ident * 10_000_000
@@ -59,10 +63,12 @@ async def _client(path: str, root: str, ident: int, stop_at: float, lat: list[fl
     try:
         while clock() < stop_at:
             step += 1
-            for op in ("begin", "done"):
+            for op in ("begin", second):
                 req: dict[str, Any] = {"op": op, "id": sent, "root": root, "step": step, "rank": 0}
                 if op == "begin":
                     req["world_size"] = 2
+                elif op == "fail":
+                    req["reason"] = "bench"
                 start = clock()
                 writer.write(_encode(req) + b"\n")
                 reply = _decode(await reader.readline())
@@ -75,11 +81,15 @@ async def _client(path: str, root: str, ident: int, stop_at: float, lat: list[fl
     return sent
 
 
-async def _load(path: str, root: str, clients: int, seconds: float) -> tuple[float, list[float]]:
+async def _load(
+    path: str, root: str, clients: int, seconds: float, second: str = "done"
+) -> tuple[float, list[float]]:
     lat: list[float] = []
     start = time.perf_counter()
     stop_at = start + seconds
-    counts = await asyncio.gather(*(_client(path, root, i, stop_at, lat) for i in range(clients)))
+    counts = await asyncio.gather(
+        *(_client(path, root, i, stop_at, lat, second) for i in range(clients))
+    )
     return sum(counts) / (time.perf_counter() - start), lat
 
 
@@ -92,14 +102,24 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return factory
 
 
-def load(path: str, root: str, clients: int, seconds: float) -> tuple[float, list[float]]:
+def load(
+    path: str, root: str, clients: int, seconds: float, second: str = "done"
+) -> tuple[float, list[float]]:
     """Drive ``path`` with ``clients`` closed-loop clients for ``seconds``.
+
+    Args:
+        path: The server's socket.
+        root: The checkpoint root the requests name.
+        clients: Connections, each with one request in flight.
+        seconds: How long.
+        second: What follows each ``begin``: ``done`` (the save stays open) or ``fail``
+            (the attempt fails and its fresh directory is set aside).
 
     Returns:
         Requests per second and every round trip in seconds.
     """
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        return runner.run(_load(path, root, clients, seconds))
+        return runner.run(_load(path, root, clients, seconds, second))
 
 
 @contextmanager
@@ -147,6 +167,7 @@ _TARGETS = {
     "echo": "echo server (asyncio)",
     "ckptd": "ckptd",
     "tmpfs": "ckptd, journal on tmpfs",
+    "fail": "ckptd, begin + fail",
     "asyncio": "ckptd on asyncio",
     "echo-uvloop": "echo server (uvloop)",
 }
@@ -177,6 +198,8 @@ def run(
     )
     points: list[tuple[str, str, Path]] = [(k, _TARGETS[k], REPO) for k in kinds]
     points += [("ckptd", f"ckptd ({t.name})", t) for t in trees or []]
+    if "fail" in kinds:
+        points += [("fail", f"ckptd, begin + fail ({t.name})", t) for t in trees or []]
     results: dict[str, dict[int, dict[str, Any]]] = {label: {} for _, label, _ in points}
     for n in counts:
         for kind, label, tree in points:
@@ -189,7 +212,8 @@ def run(
                 else:
                     server = _daemon(work, root, kind, tree)
                 with server as sock:
-                    rate, lat = load(sock, str(root), n, secs)
+                    second = "fail" if kind == "fail" else "done"
+                    rate, lat = load(sock, str(root), n, secs, second)
             ms = [x * 1000 for x in lat]
             results[label][n] = {"rps": rate, "p50_ms": median(ms), "p99_ms": p99(ms), "n": len(ms)}
     rows: list[Row] = []

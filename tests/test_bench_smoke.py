@@ -21,6 +21,7 @@ from bench import (
     multinode,
     promotion,
     retention,
+    scale,
     stall,
     throughput,
 )
@@ -137,3 +138,20 @@ class TestObjectStore:
             "requests per promotion",
             "training stall per save",
         }
+
+
+class TestScale:
+    """The scale harness runs 64 simulated nodes against a real leader, counting their calls."""
+
+    def test_64_nodes_on_local_disk(self) -> None:
+        require_tool("strace")
+        require_tool("perf", "linux-perf")
+        result = scale.run(
+            nodes=[64], filesystems=["local"], ranks=1, reps=0, wait_s=0.5, idle_s=0.2
+        )
+        well_formed(result, "scale")
+        raw = result.raw["local 64"]
+        assert raw["counted"]["states"] == {"promoted": 63}
+        assert raw["ops"]["step"]["RENAME"] >= 64  # every node's marker, and the promotion
+        metrics = {r.metric for r in result.rows}
+        assert {"ops/s, nodes writing", "verdict -> node knows"} <= metrics

@@ -433,6 +433,7 @@ class TestNodeConfig:
         assert config.node == socket.gethostname().split(".")[0]
         assert config.node_timeout == 600.0
         assert (config.roots[0].watch, config.roots[0].poll_interval) == ("auto", 0.25)
+        assert config.roots[0].poll_budget == 1500.0
         named = load_config(roots=[str(tmp_path)], node="gpu-7", env={})
         assert named.node == "gpu-7"
 
@@ -443,12 +444,13 @@ class TestNodeConfig:
             ("node_timeout = 0", "node_timeout must be > 0"),
             ('watch = "fanotify"', "watch 'fanotify' of root"),
             ("poll_interval = 0", "poll_interval 0 of root"),
+            ("poll_budget = 5", "poll_budget 5 of root"),
         ],
     )
     def test_bad_values_are_refused(self, tmp_path: Path, toml: str, why: str) -> None:
         file = tmp_path / "c.toml"
         key = toml.split(" ")[0]
-        if key in ("watch", "poll_interval"):
+        if key in ("watch", "poll_interval", "poll_budget"):
             file.write_text(f'[[roots]]\npath = "{tmp_path}"\n{toml}\n')
         else:
             file.write_text(f'{toml}\n[[roots]]\npath = "{tmp_path}"\n')

@@ -45,6 +45,12 @@ class RootConfig:
     one."""
     poll_interval: float = 0.25
     """Seconds between looks at a spanning save's shared directory when polling."""
+    poll_budget: float = 1500.0
+    """Looks a second that all the nodes of one job together may spend waiting for a
+    spanning save's outcome. Each node other than the leader looks every
+    ``max(poll_interval, nodes / poll_budget)`` seconds, so the load on the shared
+    filesystem's server stays near ``poll_budget`` lookups a second however many nodes
+    the job has (4,096 nodes: a look every 2.7 s); see docs/multinode.md."""
     s3: S3Options | None = None
     """Where and as whom an ``s3://`` root is reached (TOML ``[roots.s3]``); None: from
     the AWS environment alone. Only for ``s3://`` roots."""
@@ -72,6 +78,11 @@ class RootConfig:
             raise ConfigError(
                 f"poll_interval {self.poll_interval!r} of root {self.path} must be from 0.01 "
                 "to 60 seconds"
+            )
+        if not (isinstance(self.poll_budget, int | float) and 10 <= self.poll_budget <= 1e6):
+            raise ConfigError(
+                f"poll_budget {self.poll_budget!r} of root {self.path} must be from 10 to "
+                "1000000 looks a second (what the shared filesystem's server can take)"
             )
         if self.tmp_prefix.startswith(self.final_prefix) or self.final_prefix.startswith(
             self.tmp_prefix

@@ -19,6 +19,7 @@ Every blocking call runs in the root's lane, so a hung mount delays only its roo
 from __future__ import annotations
 
 import errno
+import math
 from collections.abc import Awaitable, Callable, Collection, Coroutine
 from contextlib import AbstractAsyncContextManager
 from functools import partial
@@ -38,16 +39,17 @@ from ..ledger._saves import Effect, MarkNode, NodeFailed, SaveKey, SaveRecord, W
 from ..store import _markers
 from ..store._markers import Seen, marker_for
 from ._joining import Joining
-from ._waker import Waker, watching
+from ._waker import Waker, stretched, watching
 
-__all__ = ["RENAMED_TRUST", "Nodes"]
+__all__ = ["FULL_EVERY", "RENAMED_TRUST", "Nodes"]
 
 RENAMED_TRUST: Final = 30.0
 """Seconds a renamed ``step_N`` of our attempt must stand before it is believed promoted
 without the leader's verdict (the leader fsyncs the root within milliseconds)."""
 
-_SAFETY_POLL: Final = 1.0
-"""Seconds between looks even when watchfiles reports nothing (a missed event)."""
+FULL_EVERY: Final = 50.0
+"""A waiting node's full look comes at most every ``FULL_EVERY * nodes / poll_budget``
+seconds: it costs about five lookups to the verdict's one, so a tenth of the budget."""
 
 
 class Nodes(Joining):
@@ -275,15 +277,26 @@ class Nodes(Joining):
                 await wake(not save.marked)  # own ranks still writing: look less often
 
     async def follow(self, root: RootConfig, save: SaveRecord) -> None:
-        """Every other node (or a leader that lost the claim): wait for the outcome."""
+        """Every other node (or a leader that lost the claim): wait for the outcome.
+
+        Each look reads the leader's verdict (one lookup while there is none); a full
+        look, which also reads ``step_N`` and ``tmp_step_N`` for what a leader that
+        could not write its verdict left, comes every :data:`FULL_EVERY` looks' worth of
+        time on a large job, so that it costs a tenth of the job's ``poll_budget``.
+        """
         daemon, key, attempt = self._daemon, save.key, save.attempt
-        async with self._waker(root, root.path, key) as wake:
+        stretch = stretched(root, -(-save.world_size // max(save.local_world_size, 1)))
+        full_every, last_full = FULL_EVERY * stretch, -math.inf
+        async with self._waker(root, root.path, key, stretch) as wake:
             while (now := daemon.ledger.get(key)) is not None and now.attempt == attempt:
                 if now.state not in (p.SaveState.OPEN, p.SaveState.VERIFYING):
                     return
                 if now.leader and now.state is p.SaveState.OPEN:
                     return  # global rank 0 began here: this node leads, and gathers
-                if await self._learn(root, now):
+                full = daemon.clock() - last_full >= full_every
+                if full:
+                    last_full = daemon.clock()
+                if await self._learn(root, now, full=full):
                     return
                 if now.state is p.SaveState.VERIFYING and self.promote is not None:
                     # A leader that yielded to another node's claim: if that node gave
@@ -293,10 +306,14 @@ class Nodes(Joining):
                         return
                 await wake(now.state is p.SaveState.OPEN and not now.marked)
 
-    async def _learn(self, root: RootConfig, save: SaveRecord) -> bool:
-        """Take the outcome of ``save``'s attempt if the shared directory has it."""
+    async def _learn(self, root: RootConfig, save: SaveRecord, *, full: bool = True) -> bool:
+        """Take the outcome of ``save``'s attempt if the shared directory has it.
+
+        ``full``: look beyond the leader's verdict (``_markers.read_outcome``).
+        """
         daemon, key, attempt = self._daemon, save.key, save.attempt
-        outcome = await self._run(root, self._storage.read_outcome, root, key.step, attempt)
+        read = partial(self._storage.read_outcome, full=full)
+        outcome = await self._run(root, read, root, key.step, attempt)
         if not isinstance(outcome, _markers.Outcome):
             return False
         if outcome.state == "renamed":
@@ -388,7 +405,7 @@ class Nodes(Joining):
             pass  # reported as journal.failed; retried on the next look or after a restart
 
     def _waker(
-        self, root: RootConfig, path: str, key: SaveKey
+        self, root: RootConfig, path: str, key: SaveKey, stretch: float = 0.0
     ) -> AbstractAsyncContextManager[Callable[[bool], Awaitable[None]]]:
         """A :class:`Waker` for ``key``'s watcher, which a ``Watch`` effect can poke."""
-        return watching(root, path, key, self._wakers, self._local, self.group)
+        return watching(root, path, key, self._wakers, self._local, self.group, stretch)

@@ -14,6 +14,7 @@ each root's lock and off the event loop:
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 import anyio
 from anyio.abc import TaskGroup
@@ -94,15 +95,15 @@ class AttemptDirs:
         try:
             with anyio.CancelScope(shield=True):
                 async with daemon.root_locks[root.path]:
+                    prepare = partial(daemon.storage.prepare, sync=False)
                     done = await self._run(
-                        root,
-                        daemon.storage.prepare,
-                        root,
-                        key.step,
-                        save.attempt,
-                        save.world_size,
-                        save.run,
+                        root, prepare, root, key.step, save.attempt, save.world_size, save.run
                     )
+                assert isinstance(done, Prepared)
+                # The root's flush, outside its lock: new attempts beginning together
+                # share one (the begin is still acknowledged only once it is durable).
+                if done.unsynced:
+                    await self._run(root, daemon.storage.flush_dirs, done.unsynced)
         except OSError as exc:
             reason = f"could not prepare {root.tmp_dir(key.step)}: {exc.strerror or exc}"
             self._failed[(key, save.attempt)] = reason
@@ -155,7 +156,11 @@ class AttemptDirs:
         root = daemon.configured(key.root)
         try:
             async with daemon.root_locks[root.path]:
-                moved = await self._run(root, daemon.storage.set_aside, root, key.step, attempt)
+                set_aside = partial(daemon.storage.set_aside, sync=False)
+                moved = await self._run(root, set_aside, root, key.step, attempt)
+            if isinstance(moved, str):  # flushed outside the lock, shared (see _prepare)
+                dirs = daemon.storage.set_aside_dirs(root)
+                await self._run(root, daemon.storage.flush_dirs, dirs)
         except OSError as exc:
             daemon.events.emit(
                 "save.set_aside_failed",

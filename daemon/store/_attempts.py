@@ -34,6 +34,7 @@ __all__ = [
     "prepare",
     "read_marker",
     "set_aside",
+    "set_aside_dirs",
     "trash_name",
 ]
 
@@ -55,11 +56,14 @@ class Prepared(msgspec.Struct, frozen=True):
         moved: Where another attempt's directory went, if one was in the way.
         foreign: The attempt that directory's marker named ("unknown" if unreadable).
         created: Whether ``tmp_step_N`` had to be created.
+        unsynced: Directories whose entries the caller must still flush (``sync=False``)
+            before the attempt is acknowledged.
     """
 
     moved: str | None = None
     foreign: str | None = None
     created: bool = False
+    unsynced: tuple[str, ...] = ()
 
 
 def read_marker(tmp: str) -> AttemptMarker | None:
@@ -84,7 +88,9 @@ def read_marker(tmp: str) -> AttemptMarker | None:
         return _unknown_marker()
 
 
-def prepare(root: RootConfig, step: int, attempt: str, world_size: int, run: str = "") -> Prepared:
+def prepare(
+    root: RootConfig, step: int, attempt: str, world_size: int, run: str = "", *, sync: bool = True
+) -> Prepared:
     """Make ``tmp_step_N`` attempt ``attempt``'s directory, durably. Idempotent.
 
     A directory already marked for ``attempt`` is left as it is. One marked for any other
@@ -92,6 +98,12 @@ def prepare(root: RootConfig, step: int, attempt: str, world_size: int, run: str
     files written before its ``begin``) is kept and marked. The marker records ``run``,
     the run of the job the attempt belongs to. The marker is written to a
     unique temporary name, fsynced and renamed into place, and the directory fsynced.
+
+    Without ``sync``, only the marker's contents are flushed (before its rename, so a
+    crash never leaves a torn one): its directory, and the root and the trash when a
+    directory was created or moved there, are left for the caller to flush
+    (:attr:`Prepared.unsynced`), outside the root's lock, where the flushes of
+    concurrent new attempts overlap or are shared.
 
     Raises:
         OSError: the directory cannot be moved, created or marked.
@@ -101,8 +113,10 @@ def prepare(root: RootConfig, step: int, attempt: str, world_size: int, run: str
     if found is not None and found.attempt == attempt:
         return Prepared()
     moved = None
+    unsynced: list[str] = []
     if found is not None:
-        moved = _to_trash(root, step, found.attempt)
+        moved = _to_trash(root, step, found.attempt, sync=sync)
+        unsynced += [] if sync else [os.path.join(root.path, TRASH)]
     created = False
     try:
         os.mkdir(tmp, 0o755)
@@ -117,18 +131,24 @@ def prepare(root: RootConfig, step: int, attempt: str, world_size: int, run: str
         created=datetime.now(UTC).isoformat(),
         run=run,
     )
-    write_atomic(os.path.join(tmp, ATTEMPT_MARKER), msgspec.json.encode(marker))
+    write_atomic(os.path.join(tmp, ATTEMPT_MARKER), msgspec.json.encode(marker), sync_dir=sync)
+    if not sync:
+        unsynced.insert(0, tmp)
     if created or moved is not None:
-        fsync_dir(root.path)
-    return Prepared(moved=moved, foreign=None if found is None else found.attempt, created=created)
+        if sync:
+            fsync_dir(root.path)
+        else:
+            unsynced.append(root.path)
+    foreign = None if found is None else found.attempt
+    return Prepared(moved=moved, foreign=foreign, created=created, unsynced=tuple(unsynced))
 
 
-def set_aside(root: RootConfig, step: int, attempt: str) -> str | None:
+def set_aside(root: RootConfig, step: int, attempt: str, *, sync: bool = True) -> str | None:
     """Move failed attempt ``attempt``'s ``tmp_step_N`` into the trash.
 
     Only a directory that is this attempt's (its marker names it, or it has no marker:
     the attempt never got to mark it) is moved; one that a newer attempt already owns
-    stays.
+    stays. Without ``sync``, the caller flushes :func:`set_aside_dirs` once it moved.
 
     Returns:
         Where it went, or None if there was nothing of this attempt's to move.
@@ -142,9 +162,15 @@ def set_aside(root: RootConfig, step: int, attempt: str) -> str | None:
     found = read_marker(tmp)
     if found is not None and found.attempt != attempt:
         return None
-    moved = _to_trash(root, step, attempt)
-    fsync_dir(root.path)
+    moved = _to_trash(root, step, attempt, sync=sync)
+    if sync:
+        fsync_dir(root.path)
     return moved
+
+
+def set_aside_dirs(root: RootConfig) -> tuple[str, str]:
+    """The directories a set-aside changes: the trash, then the root."""
+    return os.path.join(root.path, TRASH), root.path
 
 
 def trash_name(root: RootConfig, step: int, attempt: str) -> str:
@@ -154,12 +180,13 @@ def trash_name(root: RootConfig, step: int, attempt: str) -> str:
     return os.path.join(root.path, TRASH, f"{base}.attempt-{tag}-{uuid.uuid4().hex[:8]}")
 
 
-def _to_trash(root: RootConfig, step: int, attempt: str) -> str:
+def _to_trash(root: RootConfig, step: int, attempt: str, *, sync: bool = True) -> str:
     trash = os.path.join(root.path, TRASH)
     os.makedirs(trash, mode=0o700, exist_ok=True)
     target = trash_name(root, step, attempt)
     os.rename(root.tmp_dir(step), target)
-    fsync_dir(trash)
+    if sync:
+        fsync_dir(trash)
     return target
 
 

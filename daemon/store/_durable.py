@@ -2,13 +2,21 @@
 
 Blocking I/O, shared by everything that writes the daemon's own small files (attempt
 markers, layout files, manifests, the journal's directory).
+
+Concurrent flushes of one directory share the disk's work (:func:`fsync_dir`): many
+saves beginning or failing at once each add an entry to the root, and one ``fsync`` of
+the root that starts after all of their changes makes every one of them durable. A
+caller returns only once an ``fsync`` that began after its call ended without error, so
+no promise is weaker than with a flush of its own.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import threading
 import uuid
+from dataclasses import dataclass, field
 
 __all__ = ["fsync_dir", "make_dir", "probe_write", "write_atomic"]
 
@@ -40,13 +48,69 @@ def write_atomic(path: str, data: bytes, *, sync_dir: bool = True) -> None:
         fsync_dir(os.path.dirname(path))
 
 
+@dataclass
+class _Flushes:
+    """The flushes of one directory: the last begun, the last ended, how each ended."""
+
+    begun: int = 0
+    ended: int = 0
+    running: bool = False
+    errors: dict[int, OSError] = field(default_factory=dict)
+    waiting: int = 0
+
+
+_flushes: dict[str, _Flushes] = {}
+_flushes_changed = threading.Condition(threading.Lock())
+
+
 def fsync_dir(path: str) -> None:
     """Flush the entries of directory ``path`` (``""`` is the working directory).
 
+    Returns once an ``fsync`` of it that began after this call has succeeded: the one
+    this call starts, or, while another thread's flush of the directory runs, the next
+    one, which every caller arriving meanwhile shares.
+
     Raises:
-        OSError: it cannot be opened or synced.
+        OSError: it cannot be opened or synced (every caller sharing that flush gets it).
     """
-    fd = os.open(path or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    key = os.path.abspath(path or ".")
+    with _flushes_changed:
+        state = _flushes.setdefault(key, _Flushes())
+        # A flush under way may have begun before our change: the next one covers it.
+        need = state.begun + 1
+        state.waiting += 1
+        try:
+            while state.ended < need:
+                if state.running:
+                    _flushes_changed.wait()
+                    continue
+                state.running = True
+                state.begun += 1
+                ours = state.begun
+                _flushes_changed.release()
+                error: OSError | None = None
+                try:
+                    _flush(key)
+                except OSError as exc:
+                    error = exc
+                finally:
+                    _flushes_changed.acquire()
+                    state.running = False
+                    state.ended = ours
+                    if error is not None:
+                        state.errors[ours] = error
+                    _flushes_changed.notify_all()
+            failed = state.errors.get(need)
+        finally:
+            state.waiting -= 1
+            if not state.waiting and not state.running:
+                del _flushes[key]  # nobody shares its flushes now; keep the table small
+    if failed is not None:
+        raise OSError(failed.errno, failed.strerror, failed.filename)
+
+
+def _flush(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:

@@ -220,18 +220,36 @@ class LocalStorage:
         return _layout.write_layout(root)
 
     def prepare(
-        self, root: RootConfig, step: int, attempt: str, world_size: int, run: str = ""
+        self,
+        root: RootConfig,
+        step: int,
+        attempt: str,
+        world_size: int,
+        run: str = "",
+        *,
+        sync: bool = True,
     ) -> Prepared:
         """See :func:`daemon.store._attempts.prepare`."""
-        return _attempts.prepare(root, step, attempt, world_size, run)
+        return _attempts.prepare(root, step, attempt, world_size, run, sync=sync)
 
     def read_attempt(self, tmp: str) -> AttemptMarker | None:
         """See :func:`daemon.store._attempts.read_marker`."""
         return _attempts.read_marker(tmp)
 
-    def set_aside(self, root: RootConfig, step: int, attempt: str) -> str | None:
+    def set_aside(
+        self, root: RootConfig, step: int, attempt: str, *, sync: bool = True
+    ) -> str | None:
         """See :func:`daemon.store._attempts.set_aside`."""
-        return _attempts.set_aside(root, step, attempt)
+        return _attempts.set_aside(root, step, attempt, sync=sync)
+
+    def set_aside_dirs(self, root: RootConfig) -> tuple[str, str]:
+        """See :func:`daemon.store._attempts.set_aside_dirs`."""
+        return _attempts.set_aside_dirs(root)
+
+    def flush_dirs(self, paths: Sequence[str]) -> None:
+        """See :func:`daemon.store._durable.fsync_dir` (concurrent flushes are shared)."""
+        for path in paths:
+            fsync_dir(path)
 
     def write_marker(
         self, root: RootConfig, step: int, marker: NodeMarker, *, durable: bool = True
@@ -270,9 +288,11 @@ class LocalStorage:
         """See :func:`daemon.store._markers.read_verdict`."""
         return _markers.read_verdict(root, step, attempt)
 
-    def read_outcome(self, root: RootConfig, step: int, attempt: str) -> Outcome | None:
+    def read_outcome(
+        self, root: RootConfig, step: int, attempt: str, *, full: bool = True
+    ) -> Outcome | None:
         """See :func:`daemon.store._markers.read_outcome`."""
-        return _markers.read_outcome(root, step, attempt)
+        return _markers.read_outcome(root, step, attempt, full=full)
 
     def spanning_attempt(self, root: RootConfig, step: int) -> AttemptMarker | None:
         """See :func:`daemon.store._markers.spanning_attempt`."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import math
 import os
+import random
 import re
 import stat
 import time
@@ -110,6 +111,12 @@ unchanged ``writing`` marker is read again (infinity for ``done`` and ``failed``
 WRITING_REREAD: Final = 1.0
 """Seconds after which an unchanged ``writing`` marker is read again: its replacement by
 the ``done`` one can keep the cached attributes (on NFS, ``open()`` sees it first)."""
+REREADS_PER_S: Final = 20.0
+"""At most this many unchanged ``writing`` markers are read again a second, however many
+nodes write: each is read again every ``max(WRITING_REREAD, writing / REREADS_PER_S)``."""
+_UNKNOWN_INO: Final = frozenset({0, 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF})
+"""Inode numbers a directory listing gives when the filesystem does not say (some FUSE
+servers): such an entry is always measured with a stat."""
 
 
 class Outcome(msgspec.Struct, frozen=True):
@@ -167,14 +174,29 @@ def read_markers(root: RootConfig, step: int, seen: Seen) -> list[NodeMarker]:
 
 
 def read_markers_in(tmp: str, seen: Seen) -> list[NodeMarker]:
-    """Node markers in directory ``tmp`` that are new or changed since ``seen``."""
+    """Node markers in directory ``tmp`` that are new or changed since ``seen``.
+
+    One listing of the directory, and per marker only what it needs: a marker is
+    replaced by renaming a new file over it, so an entry whose inode (which the listing
+    gives, without a stat) is the one last read is that same file, and is neither
+    measured nor read again, except an unchanged ``writing`` marker now and then (its
+    replacement may hide behind a cached listing; ``open()`` sees through it). The
+    leader's look costs one listing plus a stat and a read per marker that changed.
+    """
     out: list[NodeMarker] = []
     try:
         entries = list(os.scandir(tmp))
     except (FileNotFoundError, NotADirectoryError):
         return out
+    writing = sum(1 for last in seen.values() if last[3] != math.inf)
+    spread = max(WRITING_REREAD, writing / REREADS_PER_S)
+    now = time.monotonic()
     for entry in entries:
         if not (entry.name.startswith(NODE_PREFIX) and entry.name.endswith(".json")):
+            continue
+        last = seen.get(entry.name)
+        ino = entry.inode()
+        if last is not None and ino not in _UNKNOWN_INO and ino == last[0] and now < last[3]:
             continue
         try:
             st = entry.stat(follow_symlinks=False)
@@ -183,13 +205,15 @@ def read_markers_in(tmp: str, seen: Seen) -> list[NodeMarker]:
         if not stat.S_ISREG(st.st_mode):
             continue
         tag = (st.st_ino, st.st_size, st.st_mtime_ns)
-        last = seen.get(entry.name)
-        now = time.monotonic()
         if last is not None and last[:3] == tag and now < last[3]:
             continue
         marker = _read(entry.path, NodeMarker)
         if marker is not None:
-            again = now + WRITING_REREAD if marker.state == "writing" else math.inf
+            # Spread over time, so that the markers of nodes that began together are
+            # not all read again in one look.
+            again = math.inf
+            if marker.state == "writing":
+                again = now + spread * (0.5 + random.random())
             seen[entry.name] = (*tag, again)
             out.append(marker)
     return out
@@ -251,7 +275,7 @@ def read_verdict(root: RootConfig, step: int, attempt: str) -> Verdict | None:
     return _read(verdict_path(root, step, attempt), Verdict)
 
 
-def read_outcome(root: RootConfig, step: int, attempt: str) -> Outcome | None:
+def read_outcome(root: RootConfig, step: int, attempt: str, *, full: bool = True) -> Outcome | None:
     """What became of attempt ``attempt``, if the shared directory says yet.
 
     Promoted: the leader's verdict says so, written once the rename was durable. Failed:
@@ -259,6 +283,10 @@ def read_outcome(root: RootConfig, step: int, attempt: str) -> Outcome | None:
     carries another attempt's marker (the leader set ours aside and a new attempt
     began). Renamed: ``step_N``'s manifest names the attempt but no verdict says yet that
     the rename is durable.
+
+    With ``full`` false only the verdict is read: one lookup while there is none, all
+    a waiting node needs as long as the leader can write its verdict (the rest is for
+    a leader that could not).
     """
     final = root.final_dir(step)
     verdict = read_verdict(root, step, attempt)
@@ -266,6 +294,8 @@ def read_outcome(root: RootConfig, step: int, attempt: str) -> Outcome | None:
         if verdict.state == "promoted":
             return Outcome("promoted", final)
         return Outcome("failed", verdict.reason)
+    if not full:
+        return None
     manifest = _read(os.path.join(final, _MANIFEST), _ManifestAttempt)
     if manifest is not None:
         if manifest.attempt == attempt:

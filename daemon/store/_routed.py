@@ -167,18 +167,37 @@ class RoutedStorage:
         return self._for(root).write_layout(root)
 
     def prepare(
-        self, root: RootConfig, step: int, attempt: str, world_size: int, run: str = ""
+        self,
+        root: RootConfig,
+        step: int,
+        attempt: str,
+        world_size: int,
+        run: str = "",
+        *,
+        sync: bool = True,
     ) -> Prepared:
         """See :meth:`daemon.store._storage.Storage.prepare`."""
-        return self._for(root).prepare(root, step, attempt, world_size, run)
+        return self._for(root).prepare(root, step, attempt, world_size, run, sync=sync)
 
     def read_attempt(self, tmp: str) -> AttemptMarker | None:
         """See :meth:`daemon.store._storage.Storage.read_attempt`."""
         return self._at(tmp).read_attempt(tmp)
 
-    def set_aside(self, root: RootConfig, step: int, attempt: str) -> str | None:
+    def set_aside(
+        self, root: RootConfig, step: int, attempt: str, *, sync: bool = True
+    ) -> str | None:
         """See :meth:`daemon.store._storage.Storage.set_aside`."""
-        return self._for(root).set_aside(root, step, attempt)
+        return self._for(root).set_aside(root, step, attempt, sync=sync)
+
+    def set_aside_dirs(self, root: RootConfig) -> tuple[str, str]:
+        """See :meth:`daemon.store._storage.Storage.set_aside_dirs`."""
+        return self._for(root).set_aside_dirs(root)
+
+    def flush_dirs(self, paths: Sequence[str]) -> None:
+        """See :meth:`daemon.store._storage.Storage.flush_dirs`."""
+        local = [path for path in paths if not is_s3_url(path)]
+        if local:
+            self.local.flush_dirs(local)
 
     def write_marker(
         self, root: RootConfig, step: int, marker: NodeMarker, *, durable: bool = True
@@ -217,9 +236,11 @@ class RoutedStorage:
         """See :meth:`daemon.store._storage.Storage.read_verdict`."""
         return self._for(root).read_verdict(root, step, attempt)
 
-    def read_outcome(self, root: RootConfig, step: int, attempt: str) -> Outcome | None:
+    def read_outcome(
+        self, root: RootConfig, step: int, attempt: str, *, full: bool = True
+    ) -> Outcome | None:
         """See :meth:`daemon.store._storage.Storage.read_outcome`."""
-        return self._for(root).read_outcome(root, step, attempt)
+        return self._for(root).read_outcome(root, step, attempt, full=full)
 
     def spanning_attempt(self, root: RootConfig, step: int) -> AttemptMarker | None:
         """See :meth:`daemon.store._storage.Storage.spanning_attempt`."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import errno
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 
 import msgspec
@@ -372,9 +372,19 @@ class S3Storage(S3Keep, S3Nodes):
     # -- attempts ----------------------------------------------------------------------
 
     def prepare(
-        self, root: RootConfig, step: int, attempt: str, world_size: int, run: str = ""
+        self,
+        root: RootConfig,
+        step: int,
+        attempt: str,
+        world_size: int,
+        run: str = "",
+        *,
+        sync: bool = True,
     ) -> Prepared:
         """Mark step N as attempt ``attempt``'s; a previous attempt's objects stay put.
+
+        A PUT is durable when it returns: ``sync`` changes nothing, and nothing is left
+        for the caller to flush.
 
         Raises:
             StoreError: the marker could not be written.
@@ -411,13 +421,22 @@ class S3Storage(S3Keep, S3Nodes):
             return None
         return commits.read_marker(self.bucket(root), root, step)
 
-    def set_aside(self, root: RootConfig, step: int, attempt: str) -> str | None:
+    def set_aside(
+        self, root: RootConfig, step: int, attempt: str, *, sync: bool = True
+    ) -> str | None:
         """Nothing moves: the failed attempt's objects stay under their own prefix.
 
         The next attempt writes under another prefix, so it may begin at once; gc removes
-        the failed one. Returns where it is kept.
+        the failed one. Returns where it is kept. (``sync``: nothing to flush.)
         """
         return self.url(root, step, attempt)
+
+    def set_aside_dirs(self, root: RootConfig) -> tuple[str, str]:
+        """The prefixes a set-aside would change: the root's (nothing is moved on a store)."""
+        return root.path, root.path
+
+    def flush_dirs(self, paths: Sequence[str]) -> None:
+        """Nothing: an object store has no directory entries to flush."""
 
 
 def _first(bucket: Bucket, name: str) -> list[Listed | str]:

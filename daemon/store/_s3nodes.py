@@ -149,13 +149,20 @@ class S3Nodes:
         except msgspec.DecodeError:
             return None
 
-    def read_outcome(self: _Roots, root: RootConfig, step: int, attempt: str) -> Outcome | None:
-        """An attempt's outcome: its verdict, or the commit object (ours or another's)."""
+    def read_outcome(
+        self: _Roots, root: RootConfig, step: int, attempt: str, *, full: bool = True
+    ) -> Outcome | None:
+        """An attempt's outcome: its verdict, or the commit object (ours or another's).
+
+        Without ``full`` only the verdict is read (a waiting node's cheap look).
+        """
         verdict = S3Nodes.read_verdict(self, root, step, attempt)
         if verdict is not None:
             if verdict.state == "promoted":
                 return Outcome("promoted", root.save_dir(step, attempt))
             return Outcome("failed", verdict.reason)
+        if not full:
+            return None
         commit = self.read_commit(root, step)
         if commit is not None:
             if commit.attempt == attempt:

@@ -159,17 +159,40 @@ class Storage(Protocol):
     # Attempts (daemon.store._attempts).
 
     def prepare(
-        self, root: RootConfig, step: int, attempt: str, world_size: int, run: str = ""
+        self,
+        root: RootConfig,
+        step: int,
+        attempt: str,
+        world_size: int,
+        run: str = "",
+        *,
+        sync: bool = True,
     ) -> Prepared:
-        """Make ``tmp_step_N`` the attempt's (of run ``run``): mark it, setting aside another's."""
+        """Make ``tmp_step_N`` the attempt's (of run ``run``): mark it, setting aside another's.
+
+        Without ``sync``, the directories in ``Prepared.unsynced`` are the caller's to flush.
+        """
         ...
 
     def read_attempt(self, tmp: str) -> AttemptMarker | None:
         """The attempt marker of the save directory ``tmp``, if it has one."""
         ...
 
-    def set_aside(self, root: RootConfig, step: int, attempt: str) -> str | None:
-        """Move a failed attempt's directory into the root's trash; where it went."""
+    def set_aside(
+        self, root: RootConfig, step: int, attempt: str, *, sync: bool = True
+    ) -> str | None:
+        """Move a failed attempt's directory into the root's trash; where it went.
+
+        Without ``sync``, the caller flushes :meth:`set_aside_dirs` once it moved.
+        """
+        ...
+
+    def set_aside_dirs(self, root: RootConfig) -> tuple[str, str]:
+        """The directories a set-aside changes (the trash, the root)."""
+        ...
+
+    def flush_dirs(self, paths: Sequence[str]) -> None:
+        """Flush the entries of each directory; concurrent flushes of one are shared."""
         ...
 
     # Node markers and verdicts on a shared root (daemon.store._markers).
@@ -211,7 +234,9 @@ class Storage(Protocol):
         """An attempt's recorded verdict, if one was written."""
         ...
 
-    def read_outcome(self, root: RootConfig, step: int, attempt: str) -> Outcome | None:
+    def read_outcome(
+        self, root: RootConfig, step: int, attempt: str, *, full: bool = True
+    ) -> Outcome | None:
         """An attempt's outcome as other nodes learn it: verdict or promoted step."""
         ...
 

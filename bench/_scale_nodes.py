@@ -1,0 +1,177 @@
+"""The simulated nodes of the scale benchmark: many follower daemons in one process.
+
+Each simulated node is a real :class:`daemon.server._server.Daemon` (its own config,
+ledger, lanes and :class:`daemon.nodes.Nodes`), with no socket and no journal: its
+ranks' ``begin`` and ``done`` go to ``Daemon.dispatch`` as the connection would send
+them, so the node joins the leader's attempt, checks its ranks' files, writes its
+marker durably and waits for the outcome by the same code a follower daemon runs; its
+outcome is read with ``Daemon.settled``, the handler of ``wait``.
+
+Driven by ``bench/scale.py`` over stdin and stdout, one JSON object a line::
+
+    {"op": "begin", "step": 2}   -> {"ok": true, "t": <wall clock>}
+    {"op": "done", "step": 2}    -> {"ok": true, "t_done": ..., "learned": [...], ...}
+    {"op": "quit"}
+
+    python -m bench._scale_nodes --root ROOT --nodes 4096 --ranks 8 [--poll-budget B]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import anyio
+import structlog
+
+from daemon.config._config import Config, RootConfig
+from daemon.server._server import Daemon
+from orchestrator import protocol as p
+
+__all__ = ["main"]
+
+_FILE_SIZE = 4096
+"""Each node's local rank 0 reports one file of this size (``rank<R>.bin``)."""
+
+
+class _Nodes:
+    """Nodes 1..n-1 of a job of ``n`` nodes, ``ranks`` ranks each, on one root."""
+
+    def __init__(self, args: argparse.Namespace, home: str) -> None:
+        self.root = RootConfig(
+            path=args.root,
+            watch="poll",
+            poll_interval=args.poll_interval,
+            poll_budget=args.poll_budget,
+        )
+        self.ranks: int = args.ranks
+        self.world: int = args.nodes * args.ranks
+        self.errors: list[dict[str, Any]] = []
+        self.daemons: list[Daemon] = []
+        for i in range(1, args.nodes):
+            config = Config(
+                socket=os.path.join(home, f"n{i}.sock"),
+                roots=(self.root,),
+                state_dir=home,
+                node=f"n{i}",
+                node_timeout=3600.0,
+                root_threads=1,
+                lease=3600.0,
+            )
+            daemon = Daemon(config)
+            daemon.events.observer = self._observe
+            self.daemons.append(daemon)
+        self._ids = itertools.count(1)
+
+    def _observe(self, name: str, fields: dict[str, Any]) -> None:
+        if name in ("daemon.internal_error", "node.marker_failed", "checkpoint.failed"):
+            self.errors.append({"event": name, **fields})
+
+    def _rank(self, node: int, local: int) -> int:
+        return node * self.ranks + local
+
+    async def begin(self, step: int) -> dict[str, Any]:
+        """Every rank of every simulated node begins ``step`` (each node joins the leader's)."""
+
+        async def one(i: int, daemon: Daemon) -> None:
+            for local in range(self.ranks):
+                rank = self._rank(i + 1, local)
+                request = p.Begin(
+                    id=next(self._ids),
+                    root=self.root.path,
+                    step=step,
+                    rank=rank,
+                    world_size=self.world,
+                    local_world_size=self.ranks,
+                )
+                await daemon.dispatch(rank + 1, request)
+
+        async with anyio.create_task_group() as tg:
+            for i, daemon in enumerate(self.daemons):
+                tg.start_soon(one, i, daemon)
+        return {"ok": True, "t": time.time(), "errors": self.errors[-5:]}
+
+    async def done(self, step: int) -> dict[str, Any]:
+        """Every simulated rank says done; returns when each node learned the outcome."""
+        learned: list[float] = [0.0] * len(self.daemons)
+        states: dict[str, int] = {}
+
+        async def settle(i: int, daemon: Daemon) -> None:
+            wait = p.Wait(id=next(self._ids), root=self.root.path, step=step, timeout=600.0)
+            reply = await daemon.settled(wait, self.root)
+            learned[i] = time.time()
+            states[str(reply.state)] = states.get(str(reply.state), 0) + 1
+
+        async with anyio.create_task_group() as tg:
+            for i, daemon in enumerate(self.daemons):
+                tg.start_soon(settle, i, daemon)
+            for i, daemon in enumerate(self.daemons):
+                for local in range(self.ranks):
+                    rank = self._rank(i + 1, local)
+                    files = [p.FileEntry(f"rank{rank}.bin", _FILE_SIZE)] if local == 0 else []
+                    request = p.Done(
+                        id=next(self._ids), root=self.root.path, step=step, rank=rank, files=files
+                    )
+                    await daemon.dispatch(rank + 1, request)
+            t_done = time.time()
+        return {
+            "ok": True,
+            "t_done": t_done,
+            "learned": learned,
+            "states": states,
+            "errors": self.errors[-5:],
+        }
+
+
+def _reply(message: dict[str, Any]) -> None:
+    os.write(1, (json.dumps(message) + "\n").encode())
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    home = args.home
+    nodes = _Nodes(args, home)
+    async with anyio.create_task_group() as group:
+        for daemon in nodes.daemons:
+            daemon.nodes.group = group
+            daemon.attempt_dirs.group = group
+            daemon.promoter.group = group
+        _reply({"ok": True, "ready": len(nodes.daemons)})
+        stdin = anyio.wrap_file(sys.stdin)
+        while line := await stdin.readline():
+            command = json.loads(line)
+            if command["op"] == "begin":
+                _reply(await nodes.begin(int(command["step"])))
+            elif command["op"] == "done":
+                _reply(await nodes.done(int(command["step"])))
+            else:
+                break
+        for daemon in nodes.daemons:
+            daemon.nodes.close()
+        group.cancel_scope.cancel()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the simulated nodes until stdin closes or says ``quit``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--home", required=True, help="a directory for sockets (never bound)")
+    parser.add_argument("--nodes", type=int, required=True, help="the job's nodes, leader too")
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--poll-interval", type=float, default=0.25)
+    parser.add_argument("--poll-budget", type=float, default=1500.0)
+    args = parser.parse_args(argv)
+    # Thousands of lanes, each with a thread while it has work: keep their stacks small.
+    threading.stack_size(512 * 1024)
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
+    anyio.run(_serve, args)
+
+
+if __name__ == "__main__":
+    main()
