@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._client import CheckpointClient
 from .._nodes import local_world_size, read_environment
+from .._objstore import is_object_url
 from ._additions import DaemonMixin
 from ._generations import (
     _infer_checkpoint_root,
@@ -37,6 +38,7 @@ from ._generations import (
 from ._loading import LoadingMixin
 from ._promotion import StepTracker, agree, connect
 from ._stager import install_cpu_safe_stager, use_prefix_store
+from ._staging import make_dirs, refuse_on_store, stage_step
 from ._steps import locate_step
 from ._uploads import install_ordered_uploads
 
@@ -343,11 +345,36 @@ class AutomodelCheckpointManager(DaemonMixin, LoadingMixin):
                 "save_checkpoint() needs is_final_checkpoint=... (or, as NeMo-RL's previous "
                 "API, checkpointing_cfg=...)"
             )
+        staged = None
+        if is_object_url(weights_path):
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            staged = stage_step(weights_path, self._tmp_prefix, rank)
+            if staged is None:
+                raise ValueError(
+                    f"{weights_path} is not inside a {self._tmp_prefix}N directory of its "
+                    "root: on an object store every save is a step the daemon commits"
+                )
+            weights_path = staged.local_path(weights_path)
+            optimizer_path, tokenizer_path = (
+                None if path is None else staged.local_path(path)
+                for path in (optimizer_path, tokenizer_path)
+            )
         if not self._agreed and locate_step(weights_path, self._tmp_prefix) is not None:
             self._agreed = True
             if not agree(self._tracker is not None):
                 self._tracker = None
         tracker = self._tracker
+        if staged is not None:
+            try:
+                refuse_on_store(checkpointer, tracker, staged, is_final_checkpoint)
+            except ValueError:
+                staged.discard()
+                raise
+            make_dirs(
+                os.path.join(p, sub)
+                for p, sub in ((weights_path, "model"), (optimizer_path, "optim"))
+                if p
+            )
         if tracker is not None and tracker.open is not None:
             logger.warning(
                 "ckptd: step %s was left open (save_checkpoint(seal=False) without seal()); "
@@ -359,7 +386,7 @@ class AutomodelCheckpointManager(DaemonMixin, LoadingMixin):
         # save before they are replaced (the daemon already has its outcome).
         self._complete_uploads()
         paths = (weights_path, optimizer_path, tokenizer_path)
-        step = tracker.begin(*paths, run or self._run) if tracker else None
+        step = tracker.begin(*paths, run or self._run, staged=staged) if tracker else None
         if step is not None and metrics:
             step.handle.add_metrics(metrics)
         try:
