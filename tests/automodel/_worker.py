@@ -487,8 +487,13 @@ def s3(job: Job) -> None:
         tiny_tokenizer(),
         f"{policy}/tokenizer",
         is_final_checkpoint=False,
+        seal=False,
     )
     say(event="save_returned", rank=job.rank, stall_s=time.perf_counter() - began)
+    if job.rank == 0:  # a file of the caller's, written after the save
+        torch.save({"consumed": 2}, os.path.join(manager.step_dir, "train_dataloader.pt"))
+        manager.add_files(["train_dataloader.pt"])
+    manager.seal()
     train_step(model, optimizer, seed=999)  # training goes on while the rank uploads
     manager.close()  # waits until this rank's done (or fail) is sent
     state = orchestrator.default_client().wait(job.root, 1, 60.0).state

@@ -64,15 +64,17 @@ def _staged_files(staging: Path) -> list[Path]:
 class TestSaveCommitLoad:
     """Each rank uploads its own files; the daemon commits; a fresh manager loads them."""
 
+    @pytest.mark.parametrize("fmt", ["torch_save", "safetensors"])
     def test_roundtrip(
         self,
+        fmt: str,
         seaweed: S3Server,
         daemon_factory: Callable[..., DaemonProcess],
         rank_jobs: Callable[..., RankJob],
         tmp_path: Path,
     ) -> None:
         staging = tmp_path / "staging"
-        root, daemon, job = _start(seaweed, daemon_factory, rank_jobs, staging)
+        root, daemon, job = _start(seaweed, daemon_factory, rank_jobs, staging, "--format", fmt)
         promoted = daemon.wait_event("checkpoint.promoted", timeout=120)
         attempt = promoted["attempt"]
         url = f"{root}/step_1/{attempt}"
@@ -89,11 +91,18 @@ class TestSaveCommitLoad:
         commit = _commit(seaweed, root, 1)
         assert commit is not None and commit["attempt"] == attempt
         named = set(commit["objects"])
-        for dcp_dir in ("policy/weights/model", "policy/optimizer/optim"):
+        dcp_dirs = ["policy/optimizer/optim"]
+        if fmt == "torch_save":
+            dcp_dirs.append("policy/weights/model")
+        else:  # nemo_automodel's sharded safetensors: one file per rank
+            for rank in (0, 1):
+                shard = f"policy/weights/model/shard-{rank + 1:05d}-model-"
+                assert any(k.startswith(shard) for k in named), (rank, named)
+        for dcp_dir in dcp_dirs:
             assert f"{dcp_dir}/.metadata" in named
             for rank in (0, 1):
                 assert any(k.startswith(f"{dcp_dir}/__{rank}_") for k in named), (rank, named)
-        assert "policy/tokenizer/tokenizer.json" in named
+        assert {"policy/tokenizer/tokenizer.json", "train_dataloader.pt"} <= named
         keys = seaweed.keys(root)
         for key, (size, *_etag) in commit["objects"].items():
             assert keys[f"step_1/{attempt}/{key}"] == size
