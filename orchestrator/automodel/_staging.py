@@ -21,10 +21,12 @@ by LIST and ``.metadata`` before its one create-only write.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Iterable
 from concurrent.futures import Future, wait
@@ -44,6 +46,8 @@ __all__ = [
     "staging_base",
     "upload_tree",
 ]
+
+logger = logging.getLogger("orchestrator.automodel")
 
 _UPLOAD_BATCH = 8
 """Files a rank uploads at once (s3fs runs them concurrently on its event loop)."""
@@ -120,7 +124,18 @@ class StagedStep:
                 wait(self.landing)
                 for landed in self.landing:
                     landed.result()  # a failed write: nothing of this rank is uploaded
-                handle.add_files(upload_tree(self.local, handle.path))
+                began = time.monotonic()
+                target = handle.path  # the attempt's prefix (waits for the begin's reply)
+                entries = upload_tree(self.local, target)
+                handle.add_files(entries)
+                logger.info(
+                    "ckptd: uploaded %d files (%d bytes) of step %s to %s in %.2f s",
+                    len(entries),
+                    sum(e.size for e in entries),
+                    self.step,
+                    target,
+                    time.monotonic() - began,
+                )
             except BaseException as exc:  # a thread boundary: the step must not hang
                 done.set_exception(exc)
             else:

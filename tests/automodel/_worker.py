@@ -495,9 +495,11 @@ def s3(job: Job) -> None:
         manager.add_files(["train_dataloader.pt"])
     manager.seal()
     train_step(model, optimizer, seed=999)  # training goes on while the rank uploads
+    began = time.perf_counter()
     manager.close()  # waits until this rank's done (or fail) is sent
+    closed = time.perf_counter() - began
     state = orchestrator.default_client().wait(job.root, 1, 60.0).state
-    say(event="settled", rank=job.rank, state=state)
+    say(event="settled", rank=job.rank, state=state, close_s=closed)
     if state == "promoted":
         url = orchestrator.latest(job.root)
         assert url is not None
@@ -507,10 +509,12 @@ def s3(job: Job) -> None:
         fresh = tiny_llama(seed=1)
         fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
         fresh_scheduler = torch.optim.lr_scheduler.StepLR(fresh_optimizer, step_size=1, gamma=0.5)
+        began = time.perf_counter()
         fresh_manager.load_checkpoint(
             fresh, f"{url}/policy/weights", fresh_optimizer, f"{url}/policy/optimizer",
             fresh_scheduler,
         )  # fmt: skip
+        load_s = time.perf_counter() - began
         loaded = [s.state_dict() for s in (fresh, fresh_optimizer, fresh_scheduler)]
         mismatches = [m for e, g in zip(expected, loaded, strict=True) for m in equal_states(e, g)]
         say(
@@ -519,6 +523,7 @@ def s3(job: Job) -> None:
             url=url,
             mismatches=mismatches[:10],
             optimizer_entries=len(loaded[1]["state"]),
+            load_s=load_s,
         )
         fresh_manager.close()
     job.barrier()
