@@ -130,6 +130,7 @@ class StepTracker:
         self.open: TrackedStep | None = None
         self._sealed: list[SaveHandle] = []
         self._consolidation: Future[None] | None = None
+        self._uploading: Future[None] | None = None
 
     def client_for(self, run: str | None) -> CheckpointClient:
         """The client whose ``begin`` names ``run`` (None: the client's own run).
@@ -299,20 +300,22 @@ class StepTracker:
             return
         step, self.open = self.open, None
         if step.staged is not None:
-            step.handle.add(step.staged.upload_when_landed(step.handle))
+            self._uploading = step.staged.upload_when_landed(step.handle)
+            step.handle.add(self._uploading)
         step.handle.seal()
         self._sealed.append(step.handle)
 
     def before_next_save(self) -> None:
-        """Seal a step the caller left open, and let a consolidation report its outcome.
+        """Let a consolidation report its outcome, and an object-store upload finish.
 
         The consolidation watcher must read the thread's error before
         ``Checkpointer.async_wait`` joins the thread and clears it, so this runs before
-        every ``async_wait``.
+        every ``async_wait``. The last upload to an object store is waited for too (its
+        outcome is the handle's), as DCP's is: a rank stages one save at a time.
         """
-        if self._consolidation is not None:
-            wait([self._consolidation])
-            self._consolidation = None
+        pending = [f for f in (self._consolidation, self._uploading) if f is not None]
+        wait(pending)
+        self._consolidation = self._uploading = None
 
     def wait_reported(self) -> None:
         """Block until every sealed step has been reported ``done`` or ``fail``."""
