@@ -33,6 +33,8 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch.distributed as dist
+
 from .._objstore import filesystem, is_object_url
 from .._tracking import SaveHandle
 from ..protocol import FileEntry
@@ -40,8 +42,9 @@ from ._steps import StepLocation, plain_files
 
 __all__ = [
     "StagedStep",
-    "make_dirs",
+    "prepare_staged",
     "refuse_on_store",
+    "stage_save",
     "stage_step",
     "staging_base",
     "upload_tree",
@@ -202,14 +205,67 @@ def upload_tree(local: str, url: str) -> list[FileEntry]:
     return entries
 
 
-def make_dirs(paths: Iterable[str]) -> None:
-    """Create a staged save's directories the Checkpointer expects to exist.
+def stage_save(
+    weights_path: str, optimizer_path: str | None, tokenizer_path: str | None, tmp_prefix: str
+) -> tuple[StagedStep, str, str | None, str | None]:
+    """Stage a save whose paths are in an ``s3://`` root: the step and the local paths.
+
+    Returns:
+        The staged step, then the weights, optimizer and tokenizer paths in its stand-in.
+
+    Raises:
+        ValueError: ``weights_path`` is in no ``<tmp_prefix>N`` directory, or another
+            path is outside that step.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    staged = stage_step(weights_path, tmp_prefix, rank)
+    if staged is None:
+        raise ValueError(
+            f"{weights_path} is not inside a {tmp_prefix}N directory of its root: on an "
+            "object store every save is a step the daemon commits"
+        )
+    try:
+        optimizer, tokenizer = (
+            None if path is None else staged.local_path(path)
+            for path in (optimizer_path, tokenizer_path)
+        )
+    except ValueError:
+        staged.discard()
+        raise
+    return staged, staged.local_path(weights_path), optimizer, tokenizer
+
+
+def prepare_staged(
+    staged: StagedStep,
+    checkpointer: Any,
+    tracker: Any,
+    is_final_checkpoint: bool | None,
+    dirs: Iterable[str | None],
+) -> None:
+    """Check a staged save can go to the store, and make the directories DCP writes into.
 
     The Checkpointer creates a DCP directory on the group's rank 0 only (shared
-    storage is its assumption); each rank's stand-in is its own, so each makes them.
+    storage is its assumption); each rank's stand-in is its own, so each makes
+    ``model`` under the weights path and ``optim`` under the optimizer path.
+
+    Args:
+        staged: The save's staged step.
+        checkpointer: The manager's ``Checkpointer``.
+        tracker: The manager's ``StepTracker`` (None: no daemon).
+        is_final_checkpoint: As given to ``save_checkpoint``.
+        dirs: The weights and optimizer paths in the stand-in (None: not saved).
+
+    Raises:
+        ValueError: see :func:`refuse_on_store` (the stand-in is removed first).
     """
-    for path in paths:
-        os.makedirs(path, exist_ok=True)
+    try:
+        refuse_on_store(checkpointer, tracker, staged, is_final_checkpoint)
+    except ValueError:
+        staged.discard()
+        raise
+    for path, name in zip(dirs, ("model", "optim"), strict=False):
+        if path is not None:
+            os.makedirs(os.path.join(path, name), exist_ok=True)
 
 
 def refuse_on_store(
