@@ -12,9 +12,10 @@ on stdout. Scenarios:
   rank before a step (to freeze its upload process) or before the caller's last file.
 - ``refused``: step 1 saved and promoted, then (after a gate) saved again, which the
   daemon refuses.
-- ``s3``: step 1 saved into an ``s3://`` root (``--root``), each rank uploading its own
-  files; once the daemon has settled it, a fresh manager loads ``orchestrator.latest``'s
-  URL. ``--bad-secret-rank`` gives one rank a wrong secret key, so its upload fails.
+- ``s3``: ``--steps`` saved into an ``s3://`` root (``--root``), each rank uploading its
+  own files; once the daemon has settled them, a fresh manager loads
+  ``orchestrator.latest``'s URL. ``--bad-secret-rank`` gives one rank a wrong secret
+  key, so its uploads fail.
 
 Async uploads run in a process spawned from this file, so everything runs under
 ``if __name__ == "__main__"`` and heavy imports stay inside functions.
@@ -456,7 +457,7 @@ def nodes(job: Job) -> None:
 
 
 def s3(job: Job) -> None:
-    """Save step 1 into an s3:// root, wait for the daemon's verdict, load the URL back."""
+    """Save ``--steps`` into an s3:// root, wait for the verdicts, load the latest back."""
     import torch
 
     import orchestrator
@@ -472,35 +473,38 @@ def s3(job: Job) -> None:
     model = tiny_llama(seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
-    for i in range(2):
-        train_step(model, optimizer, seed=200 + i)
+    steps = [int(s) for s in args.steps.split(",")]
+    expected: list[Any] = []
+    for step in steps:
+        train_step(model, optimizer, seed=200 + step)
         scheduler.step()
-    expected = [copy.deepcopy(s.state_dict()) for s in (model, optimizer, scheduler)]
-    policy = f"{job.root}/tmp_step_1/policy"
-    began = time.perf_counter()
-    manager.save_checkpoint(
-        model,
-        f"{policy}/weights",
-        optimizer,
-        f"{policy}/optimizer",
-        scheduler,
-        tiny_tokenizer(),
-        f"{policy}/tokenizer",
-        is_final_checkpoint=False,
-        seal=False,
-    )
-    say(event="save_returned", rank=job.rank, stall_s=time.perf_counter() - began)
-    if job.rank == 0:  # a file of the caller's, written after the save
-        torch.save({"consumed": 2}, os.path.join(manager.step_dir, "train_dataloader.pt"))
-        manager.add_files(["train_dataloader.pt"])
-    manager.seal()
-    train_step(model, optimizer, seed=999)  # training goes on while the rank uploads
-    began = time.perf_counter()
+        expected = [copy.deepcopy(s.state_dict()) for s in (model, optimizer, scheduler)]
+        policy = f"{job.root}/tmp_step_{step}/policy"
+        began = time.perf_counter()
+        manager.save_checkpoint(
+            model,
+            f"{policy}/weights",
+            optimizer,
+            f"{policy}/optimizer",
+            scheduler,
+            tiny_tokenizer(),
+            f"{policy}/tokenizer",
+            is_final_checkpoint=step == steps[-1],
+            seal=False,
+        )
+        stall = time.perf_counter() - began
+        say(event="save_returned", rank=job.rank, step=step, stall_s=stall)
+        if job.rank == 0:  # a file of the caller's, written after the save
+            data = os.path.join(manager.step_dir, "train_dataloader.pt")
+            torch.save({"consumed": step * 2}, data)
+            manager.add_files(["train_dataloader.pt"])
+        manager.seal()
+        train_step(model, optimizer, seed=999)  # training goes on while the rank uploads
     manager.close()  # waits until this rank's done (or fail) is sent
-    closed = time.perf_counter() - began
-    state = orchestrator.default_client().wait(job.root, 1, 60.0).state
-    say(event="settled", rank=job.rank, state=state, close_s=closed)
-    if state == "promoted":
+    client = orchestrator.default_client()
+    states = {step: client.wait(job.root, step, 60.0).state for step in steps}
+    say(event="settled", rank=job.rank, states={str(k): v for k, v in states.items()})
+    if states[steps[-1]] == "promoted":
         url = orchestrator.latest(job.root)
         assert url is not None
         fresh_manager = job.manager(
@@ -509,12 +513,10 @@ def s3(job: Job) -> None:
         fresh = tiny_llama(seed=1)
         fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
         fresh_scheduler = torch.optim.lr_scheduler.StepLR(fresh_optimizer, step_size=1, gamma=0.5)
-        began = time.perf_counter()
         fresh_manager.load_checkpoint(
             fresh, f"{url}/policy/weights", fresh_optimizer, f"{url}/policy/optimizer",
             fresh_scheduler,
         )  # fmt: skip
-        load_s = time.perf_counter() - began
         loaded = [s.state_dict() for s in (fresh, fresh_optimizer, fresh_scheduler)]
         mismatches = [m for e, g in zip(expected, loaded, strict=True) for m in equal_states(e, g)]
         say(
@@ -523,7 +525,6 @@ def s3(job: Job) -> None:
             url=url,
             mismatches=mismatches[:10],
             optimizer_entries=len(loaded[1]["state"]),
-            load_s=load_s,
         )
         fresh_manager.close()
     job.barrier()

@@ -57,6 +57,11 @@ def _start(
     return root, daemon, job
 
 
+def _of(step: int) -> Callable[[dict[str, Any]], bool]:
+    """Matches an event of ``step``."""
+    return lambda event: event.get("step") == step
+
+
 def _staged_files(staging: Path) -> list[Path]:
     return [p for p in staging.rglob("*") if p.is_file()]
 
@@ -74,21 +79,26 @@ class TestSaveCommitLoad:
         tmp_path: Path,
     ) -> None:
         staging = tmp_path / "staging"
-        root, daemon, job = _start(seaweed, daemon_factory, rank_jobs, staging, "--format", fmt)
-        promoted = daemon.wait_event("checkpoint.promoted", timeout=120)
-        attempt = promoted["attempt"]
-        url = f"{root}/step_1/{attempt}"
-        assert promoted["step"] == 1 and promoted["path"] == url
+        args = ("--format", fmt, "--steps", "1,2")
+        root, daemon, job = _start(seaweed, daemon_factory, rank_jobs, staging, *args)
+        urls = {}
+        for step in (1, 2):
+            promoted = daemon.wait_event("checkpoint.promoted", timeout=120, match=_of(step))
+            urls[step] = f"{root}/step_{step}/{promoted['attempt']}"
+            assert promoted["path"] == urls[step]
         for rank in (0, 1):
-            assert job.wait_line("settled", rank=rank)["state"] == "promoted"
+            settled = job.wait_line("settled", rank=rank)
+            assert settled["states"] == {"1": "promoted", "2": "promoted"}
+            # The fresh manager loaded the latest step, and got back what was saved.
             loaded = job.wait_line("loaded", rank=rank, timeout=120)
-            assert loaded["url"] == url
+            assert loaded["url"] == urls[2]
             assert loaded["mismatches"] == [], loaded
             assert loaded["optimizer_entries"] > 0
         assert job.wait() == [0, 0]
 
         # Every rank's files are objects of the attempt, named by the commit object.
-        commit = _commit(seaweed, root, 1)
+        attempt = urls[2].rsplit("/", 1)[1]
+        commit = _commit(seaweed, root, 2)
         assert commit is not None and commit["attempt"] == attempt
         named = set(commit["objects"])
         dcp_dirs = ["policy/optimizer/optim"]
@@ -105,14 +115,15 @@ class TestSaveCommitLoad:
         assert {"policy/tokenizer/tokenizer.json", "train_dataloader.pt"} <= named
         keys = seaweed.keys(root)
         for key, (size, *_etag) in commit["objects"].items():
-            assert keys[f"step_1/{attempt}/{key}"] == size
+            assert keys[f"step_2/{attempt}/{key}"] == size
         # Nothing of the step lives under a tmp prefix, and the ranks kept no copies.
         assert not [k for k in keys if k.startswith("tmp_step_")]
         assert _staged_files(staging) == []
         with pytest.MonkeyPatch.context() as patch:
             for key, value in seaweed.env().items():
                 patch.setenv(key, value)
-            assert ckptd(["verify", f"{root}/step_1"]) == 0
+            for step in (1, 2):
+                assert ckptd(["verify", f"{root}/step_{step}"]) == 0
 
 
 class TestUploadFails:
@@ -126,15 +137,14 @@ class TestUploadFails:
         tmp_path: Path,
     ) -> None:
         staging = tmp_path / "staging"
-        root, daemon, job = _start(
-            seaweed, daemon_factory, rank_jobs, staging, "--bad-secret-rank", "1"
-        )
+        args = ("--bad-secret-rank", "1", "--steps", "1")
+        root, daemon, job = _start(seaweed, daemon_factory, rank_jobs, staging, *args)
         failed = daemon.wait_event("checkpoint.failed", timeout=120)
         assert failed["step"] == 1
         # The store's refusal of rank 1's PUT, as the rank reported it.
         assert failed["reason"].startswith("rank 1 failed: PermissionError"), failed
         for rank in (0, 1):
-            assert job.wait_line("settled", rank=rank)["state"] == "failed"
+            assert job.wait_line("settled", rank=rank)["states"] == {"1": "failed"}
         assert job.wait() == [0, 0]
         assert not [e for e in daemon.drain() if e["event"] == "checkpoint.promoted"]
         keys = seaweed.keys(root)
