@@ -76,6 +76,7 @@ def fetch_tree(url: str, target: str) -> int:
         FileNotFoundError: no object is under ``url``.
     """
     fs = filesystem(url)
+    fs.invalidate_cache(url)  # a listing this process cached may predate the commit
     prefix = fs._strip_protocol(url).rstrip("/") + "/"
     keys = [key for key in fs.find(url) if key.startswith(prefix)]
     if not keys:
