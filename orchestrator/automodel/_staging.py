@@ -123,6 +123,7 @@ class StagedStep:
         done: Future[None] = Future()
 
         def run() -> None:
+            error: BaseException | None = None
             try:
                 wait(self.landing)
                 for landed in self.landing:
@@ -140,11 +141,13 @@ class StagedStep:
                     time.monotonic() - began,
                 )
             except BaseException as exc:  # a thread boundary: the step must not hang
-                done.set_exception(exc)
-            else:
+                error = exc
+            # Removed before the outcome is known: a rank may exit once it is reported.
+            self.discard()
+            if error is None:
                 done.set_result(None)
-            finally:
-                self.discard()
+            else:
+                done.set_exception(error)
 
         name = f"ckptd-upload-step-{self.step}"
         threading.Thread(target=run, name=name, daemon=True).start()
