@@ -20,6 +20,7 @@ from typing import Any, Final
 
 __all__ = [
     "attempt_writer",
+    "filesystem",
     "is_object_url",
     "latest",
     "open_file",
@@ -46,6 +47,14 @@ def _options() -> dict[str, Any]:
     if region:
         options["client_kwargs"] = {"region_name": region}
     return options
+
+
+def filesystem(url: str) -> Any:
+    """The fsspec filesystem (s3fs) of ``url``, with the environment's S3 settings."""
+    import fsspec
+
+    fs, _ = fsspec.core.url_to_fs(url, **_options())
+    return fs
 
 
 def storage_writer(url: str, **kwargs: Any) -> Any:

@@ -40,6 +40,20 @@ class DaemonMixin:
         """Whether saves are promoted by the daemon (else the caller renames, as before)."""
         return self._tracker is not None
 
+    @property
+    def step_dir(self) -> str | None:
+        """Where the open step's files are written (``save_checkpoint(seal=False)``).
+
+        ``ROOT/tmp_step_N`` on a filesystem root. On an ``s3://`` root, this rank's
+        local stand-in for it: a file written here and named to :meth:`add_files` is
+        uploaded with the rank's part of the step when it is sealed. None when no
+        step is open or not using the daemon.
+        """
+        tracker = self._tracker
+        if tracker is None or tracker.open is None:
+            return None
+        return tracker.open.location.tmp_dir
+
     def add_files(self, paths: Iterable[str]) -> None:
         """Report files this rank wrote into the open step (``save_checkpoint(seal=False)``).
 
@@ -49,7 +63,8 @@ class DaemonMixin:
 
         Args:
             paths: Absolute paths, or paths relative to the step's tmp directory
-                (``"train_dataloader.pt"``).
+                (``"train_dataloader.pt"``); on an ``s3://`` root, files in
+                :attr:`step_dir` (a URL in ``ROOT/tmp_step_N`` names its stand-in there).
 
         Raises:
             RuntimeError: no step is open on this rank.

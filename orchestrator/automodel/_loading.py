@@ -1,7 +1,9 @@
 """Loading a checkpoint: the reference's load methods, which ckptd leaves as they are.
 
 Loading reads a promoted ``step_N`` (or a LoRA adapter) through the ``Checkpointer``; the
-daemon has no part in it. :class:`LoadingMixin` holds these methods for
+daemon has no part in it. A path in an ``s3://`` root (a committed checkpoint's URL, from
+``orchestrator.latest``) is fetched to a local copy first (``_fetching.py``).
+:class:`LoadingMixin` holds these methods for
 :class:`~orchestrator.automodel.AutomodelCheckpointManager`, whose saving side
 (``_manager.py``) is where ckptd comes in.
 """
@@ -17,6 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._dtypes import MasterWeightDtypeError, describe_drift, master_weight_drift
+from ._fetching import fetched
 from ._generations import loading_config
 from ._lora import _resolve_lora_adapter_dir, peft_load_dir
 
@@ -68,10 +71,12 @@ class LoadingMixin:
                 "the checkpointer must be initialized with is_peft=True before warm "
                 "starting LoRA adapters"
             )
-        resolved = os.path.abspath(_resolve_lora_adapter_dir(adapter_dir))
-        with peft_load_dir(resolved) as load_dir:
-            checkpointer.load_model(model=model, model_path=load_dir)
-        logger.info("warm-started LoRA adapters from %s", resolved)
+        with fetched(adapter_dir) as (local,):
+            assert local is not None
+            resolved = os.path.abspath(_resolve_lora_adapter_dir(local))
+            with peft_load_dir(resolved) as load_dir:
+                checkpointer.load_model(model=model, model_path=load_dir)
+        logger.info("warm-started LoRA adapters from %s", adapter_dir)
 
     def load_checkpoint(
         self,
@@ -93,7 +98,8 @@ class LoadingMixin:
 
         Args:
             model: The model to load weights into.
-            weights_path: The checkpoint's weights path (``step_N/policy/weights``).
+            weights_path: The checkpoint's weights path (``step_N/policy/weights``; in an
+                ``s3://`` root, the committed URL's ``.../policy/weights``, fetched first).
             optimizer: Optional optimizer to load state into.
             optimizer_path: Optional optimizer checkpoint path.
             scheduler: Optional learning-rate scheduler.
@@ -104,6 +110,22 @@ class LoadingMixin:
         """
         logger.info("loading weights from %s", weights_path)
         checkpointer = self._require("loading checkpoint")
+        optimizer_path = optimizer_path if optimizer is not None else None
+        with fetched(weights_path, optimizer_path) as (local_weights, local_optimizer):
+            assert local_weights is not None
+            self._load_local(
+                checkpointer, model, local_weights, optimizer, local_optimizer, scheduler
+            )
+
+    def _load_local(
+        self,
+        checkpointer: Checkpointer,
+        model: nn.Module,
+        weights_path: str,
+        optimizer: torch.optim.Optimizer | None,
+        optimizer_path: str | None,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    ) -> None:
         # A path already ending in model is the model directory (NeMo-RL passes either).
         name = os.path.basename(os.path.normpath(weights_path))
         model_dir = weights_path if name == "model" else os.path.join(weights_path, "model")
@@ -139,13 +161,15 @@ class LoadingMixin:
             FileNotFoundError: no optimizer checkpoint at ``optimizer_path``.
         """
         is_peft = bool(self.checkpointer.config.is_peft) if self.checkpointer else False
-        drift = master_weight_drift(
-            model,
-            optimizer,
-            optimizer_path,
-            is_peft=is_peft,
-            has_expert_parallelism=self.moe_mesh is not None,
-        )
+        with fetched(optimizer_path) as (local,):
+            assert local is not None
+            drift = master_weight_drift(
+                model,
+                optimizer,
+                local,
+                is_peft=is_peft,
+                has_expert_parallelism=self.moe_mesh is not None,
+            )
         if drift:
             raise MasterWeightDtypeError(describe_drift(drift, optimizer_path))
 

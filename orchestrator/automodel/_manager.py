@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._client import CheckpointClient
 from .._nodes import local_world_size, read_environment
+from .._objstore import is_object_url
 from ._additions import DaemonMixin
 from ._generations import (
     _infer_checkpoint_root,
@@ -37,6 +38,7 @@ from ._generations import (
 from ._loading import LoadingMixin
 from ._promotion import StepTracker, agree, connect
 from ._stager import install_cpu_safe_stager, use_prefix_store
+from ._staging import prepare_staged, stage_save
 from ._steps import locate_step
 from ._uploads import install_ordered_uploads
 
@@ -286,6 +288,12 @@ class AutomodelCheckpointManager(DaemonMixin, LoadingMixin):
         with :meth:`add_files`, then call :meth:`seal`. Files written before this call
         are already in the directory and are promoted with it.
 
+        On an ``s3://`` root the paths are URLs in the same layout
+        (``s3://BUCKET/PREFIX/tmp_step_N/policy/weights``). The Checkpointer writes into
+        this rank's local stand-in for the step (:attr:`step_dir`); once sealed and
+        landed, the rank uploads its own files under the attempt's prefix and reports
+        them (``_staging.py``). That needs the daemon, and no HF consolidation.
+
         Two generations of NeMo-RL call this. The current one passes
         ``is_final_checkpoint`` (required then) and no ``checkpointing_cfg``; the
         previous one passes ``checkpointing_cfg`` (NeMo-RL's ``checkpointing`` block),
@@ -326,7 +334,8 @@ class AutomodelCheckpointManager(DaemonMixin, LoadingMixin):
                 (e.g. ``already_promoted``): raised on every rank, before anything of
                 the save is written.
             ValueError: with the daemon, ``optimizer_path`` or ``tokenizer_path`` is not
-                inside the step's tmp directory, or the daemon writes the step elsewhere.
+                inside the step's tmp directory, or the daemon writes the step elsewhere;
+                on an ``s3://`` root, no daemon, or a save that would consolidate.
             BaseException: whatever the Checkpointer raises, including the previous
                 upload's failure; the daemon is told this step failed first.
         """
@@ -343,11 +352,20 @@ class AutomodelCheckpointManager(DaemonMixin, LoadingMixin):
                 "save_checkpoint() needs is_final_checkpoint=... (or, as NeMo-RL's previous "
                 "API, checkpointing_cfg=...)"
             )
+        staged = None
+        if is_object_url(weights_path):  # the Checkpointer writes the rank's stand-in
+            staged, weights_path, optimizer_path, tokenizer_path = stage_save(
+                weights_path, optimizer_path, tokenizer_path, self._tmp_prefix
+            )
         if not self._agreed and locate_step(weights_path, self._tmp_prefix) is not None:
             self._agreed = True
             if not agree(self._tracker is not None):
                 self._tracker = None
         tracker = self._tracker
+        if staged is not None:
+            saving_optimizer = optimizer_path is not None and optimizer is not None
+            dirs = (weights_path, optimizer_path if saving_optimizer else None)
+            prepare_staged(staged, checkpointer, tracker, is_final_checkpoint, dirs)
         if tracker is not None and tracker.open is not None:
             logger.warning(
                 "ckptd: step %s was left open (save_checkpoint(seal=False) without seal()); "
@@ -359,7 +377,12 @@ class AutomodelCheckpointManager(DaemonMixin, LoadingMixin):
         # save before they are replaced (the daemon already has its outcome).
         self._complete_uploads()
         paths = (weights_path, optimizer_path, tokenizer_path)
-        step = tracker.begin(*paths, run or self._run) if tracker else None
+        try:
+            step = tracker.begin(*paths, run or self._run, staged=staged) if tracker else None
+        except BaseException:
+            if staged is not None:
+                staged.discard()  # refused on some rank: nothing of it is uploaded
+            raise
         if step is not None and metrics:
             step.handle.add_metrics(metrics)
         try:

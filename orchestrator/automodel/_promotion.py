@@ -22,9 +22,11 @@ from nemo_automodel.components.checkpoint._backports.filesystem import Serializa
 
 from .._client import CheckpointClient
 from .._errors import SaveRefused
+from .._objstore import is_object_url
 from .._tracking import SaveHandle, describe
 from ..protocol import FileEntry, default_socket_path
 from ._lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from ._staging import StagedStep
 from ._steps import (
     StepLocation,
     consolidation_future,
@@ -104,6 +106,8 @@ class TrackedStep:
     location: StepLocation
     handle: SaveHandle
     rank: int
+    staged: StagedStep | None = None
+    """On an object-store root: the local stand-in this rank uploads when sealed."""
 
 
 class StepTracker:
@@ -126,6 +130,7 @@ class StepTracker:
         self.open: TrackedStep | None = None
         self._sealed: list[SaveHandle] = []
         self._consolidation: Future[None] | None = None
+        self._uploading: Future[None] | None = None
 
     def client_for(self, run: str | None) -> CheckpointClient:
         """The client whose ``begin`` names ``run`` (None: the client's own run).
@@ -146,6 +151,7 @@ class StepTracker:
         optimizer_path: str | None,
         tokenizer_path: str | None,
         run: str | None = None,
+        staged: StagedStep | None = None,
     ) -> TrackedStep | None:
         """Register this rank's save of the step ``weights_path`` is in.
 
@@ -163,13 +169,15 @@ class StepTracker:
             optimizer_path: The optimizer's path, if saved.
             tokenizer_path: The tokenizer's path, if saved.
             run: The run the ``begin`` names (see :meth:`client_for`).
+            staged: On an object-store root, the step's local stand-in (the paths are
+                inside it); the step is then the staged step's, not the paths'.
 
         Raises:
             SaveRefused: the daemon refused the ``begin`` of some rank (on every rank).
             ValueError: a path is outside the step, the daemon writes it elsewhere, or
                 ``run`` does not fit the protocol.
         """
-        location = locate_step(weights_path, self.tmp_prefix)
+        location = staged.location if staged else locate_step(weights_path, self.tmp_prefix)
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         handle = None
         if location is None:
@@ -194,6 +202,8 @@ class StepTracker:
             raise (mine or refused)[0]
         if location is None or handle is None:
             return None
+        if staged is not None:
+            return TrackedStep(location, handle, rank, staged)
         if handle.begun.acknowledged and os.path.abspath(handle.path) != location.tmp_dir:
             handle.fail(f"the trainer writes {location.tmp_dir}, not {handle.path}")
             raise ValueError(
@@ -212,6 +222,12 @@ class StepTracker:
         # nemo_automodel 0.7.0 keeps the upload's AsyncSaveResponse here; None when the
         # save was synchronous or a PEFT adapter (written by rank 0 before returning).
         upload = checkpointer._model_ctx.future
+        if step.staged is not None:
+            # Uploaded and reported as a whole once sealed (a PEFT adapter is written
+            # before save_model returns; consolidation is refused on a store).
+            if upload is not None:
+                handle.add(step.staged.after(upload))
+            return
         if config.is_peft:
             if rank == 0:
                 names = (ADAPTER_WEIGHTS, ADAPTER_CONFIG)
@@ -236,6 +252,10 @@ class StepTracker:
         """Track what ``Checkpointer.save_optimizer`` just wrote or started writing."""
         rel = step.location.relative(optim_dir)
         upload = checkpointer._optim_ctx.future
+        if step.staged is not None:
+            if upload is not None:
+                step.handle.add(step.staged.after(upload))
+            return
         if upload is not None:
             step.handle.add(upload, dcp_dir=rel, group_rank=step.rank)
         else:
@@ -243,11 +263,15 @@ class StepTracker:
 
     def directory_written(self, step: TrackedStep, directory: str) -> None:
         """Report every file of a directory this rank has finished writing."""
+        if step.staged is not None:
+            return  # its upload reports it
         step.handle.add_files(plain_files(directory, step.location.relative(directory)))
 
     def failed(self, step: TrackedStep, exc: BaseException) -> None:
         """The save call raised: the step fails for every rank."""
         step.handle.fail(f"save_checkpoint raised {describe(exc)}")
+        if step.staged is not None:
+            step.staged.discard()
 
     def add_files(self, paths: Iterable[str]) -> None:
         """Report files the caller wrote into the open step (see the manager)."""
@@ -257,33 +281,41 @@ class StepTracker:
             )
         location = self.open.location
         entries: list[FileEntry] = []
+        staged = self.open.staged
         for path in paths:
+            if staged is not None and is_object_url(path):
+                path = staged.local_path(path)
             full = path if os.path.isabs(path) else os.path.join(location.tmp_dir, path)
             rel = location.relative(full)
             if os.path.isdir(full):
                 entries += plain_files(full, rel)
             else:
                 entries.append(FileEntry(os.path.normpath(rel), os.stat(full).st_size))
-        self.open.handle.add_files(entries)
+        if self.open.staged is None:  # else its upload reports them, once sealed
+            self.open.handle.add_files(entries)
 
     def seal(self) -> None:
         """Close the open step: ``done`` follows once every part has landed."""
         if self.open is None:
             return
         step, self.open = self.open, None
+        if step.staged is not None:
+            self._uploading = step.staged.upload_when_landed(step.handle)
+            step.handle.add(self._uploading)
         step.handle.seal()
         self._sealed.append(step.handle)
 
     def before_next_save(self) -> None:
-        """Seal a step the caller left open, and let a consolidation report its outcome.
+        """Let a consolidation report its outcome, and an object-store upload finish.
 
         The consolidation watcher must read the thread's error before
         ``Checkpointer.async_wait`` joins the thread and clears it, so this runs before
-        every ``async_wait``.
+        every ``async_wait``. The last upload to an object store is waited for too (its
+        outcome is the handle's), as DCP's is: a rank stages one save at a time.
         """
-        if self._consolidation is not None:
-            wait([self._consolidation])
-            self._consolidation = None
+        pending = [f for f in (self._consolidation, self._uploading) if f is not None]
+        wait(pending)
+        self._consolidation = self._uploading = None
 
     def wait_reported(self) -> None:
         """Block until every sealed step has been reported ``done`` or ``fail``."""
@@ -298,6 +330,8 @@ class StepTracker:
                 f"the trainer closed its checkpoint manager before sealing step "
                 f"{self.open.location.step}"
             )
+            if self.open.staged is not None:
+                self.open.staged.discard()
             self.open = None
 
     def finish(self, timeout: float) -> None:

@@ -12,6 +12,10 @@ on stdout. Scenarios:
   rank before a step (to freeze its upload process) or before the caller's last file.
 - ``refused``: step 1 saved and promoted, then (after a gate) saved again, which the
   daemon refuses.
+- ``s3``: ``--steps`` saved into an ``s3://`` root (``--root``), each rank uploading its
+  own files; once the daemon has settled them, a fresh manager loads
+  ``orchestrator.latest``'s URL. ``--bad-secret-rank`` gives one rank a wrong secret
+  key, so its uploads fail.
 
 Async uploads run in a process spawned from this file, so everything runs under
 ``if __name__ == "__main__"`` and heavy imports stay inside functions.
@@ -452,6 +456,80 @@ def nodes(job: Job) -> None:
     manager.close()
 
 
+def s3(job: Job) -> None:
+    """Save ``--steps`` into an s3:// root, wait for the verdicts, load the latest back."""
+    import torch
+
+    import orchestrator
+    from tests.automodel._models import tiny_llama, tiny_tokenizer, train_step
+
+    args = job.args
+    if job.rank == args.bad_secret_rank:
+        os.environ["AWS_SECRET_ACCESS_KEY"] = "not-the-secret"
+    manager = job.manager(
+        {"model_save_format": args.format, "save_consolidated": False}, is_async=True
+    )
+    say(event="ready", rank=job.rank, uses_daemon=manager.uses_daemon)
+    model = tiny_llama(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    steps = [int(s) for s in args.steps.split(",")]
+    expected: list[Any] = []
+    for step in steps:
+        train_step(model, optimizer, seed=200 + step)
+        scheduler.step()
+        expected = [copy.deepcopy(s.state_dict()) for s in (model, optimizer, scheduler)]
+        policy = f"{job.root}/tmp_step_{step}/policy"
+        began = time.perf_counter()
+        manager.save_checkpoint(
+            model,
+            f"{policy}/weights",
+            optimizer,
+            f"{policy}/optimizer",
+            scheduler,
+            tiny_tokenizer(),
+            f"{policy}/tokenizer",
+            is_final_checkpoint=step == steps[-1],
+            seal=False,
+        )
+        stall = time.perf_counter() - began
+        say(event="save_returned", rank=job.rank, step=step, stall_s=stall)
+        if job.rank == 0:  # a file of the caller's, written after the save
+            data = os.path.join(manager.step_dir, "train_dataloader.pt")
+            torch.save({"consumed": step * 2}, data)
+            manager.add_files(["train_dataloader.pt"])
+        manager.seal()
+        train_step(model, optimizer, seed=999)  # training goes on while the rank uploads
+    manager.close()  # waits until this rank's done (or fail) is sent
+    client = orchestrator.default_client()
+    states = {step: client.wait(job.root, step, 60.0).state for step in steps}
+    say(event="settled", rank=job.rank, states={str(k): v for k, v in states.items()})
+    if states[steps[-1]] == "promoted":
+        url = orchestrator.latest(job.root)
+        assert url is not None
+        fresh_manager = job.manager(
+            {"model_save_format": args.format, "save_consolidated": False}, is_async=False
+        )
+        fresh = tiny_llama(seed=1)
+        fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        fresh_scheduler = torch.optim.lr_scheduler.StepLR(fresh_optimizer, step_size=1, gamma=0.5)
+        fresh_manager.load_checkpoint(
+            fresh, f"{url}/policy/weights", fresh_optimizer, f"{url}/policy/optimizer",
+            fresh_scheduler,
+        )  # fmt: skip
+        loaded = [s.state_dict() for s in (fresh, fresh_optimizer, fresh_scheduler)]
+        mismatches = [m for e, g in zip(expected, loaded, strict=True) for m in equal_states(e, g)]
+        say(
+            event="loaded",
+            rank=job.rank,
+            url=url,
+            mismatches=mismatches[:10],
+            optimizer_entries=len(loaded[1]["state"]),
+        )
+        fresh_manager.close()
+    job.barrier()
+
+
 def final_save(job: Job, model: Any, optimizer: Any, scheduler: Any) -> None:
     """The run's final checkpoint: safetensors, consolidated to HF format after upload."""
     step = job.args.final_step
@@ -508,7 +586,9 @@ def metrics(job: Job) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["roundtrip", "loop", "refused", "nodes", "metrics"])
+    parser.add_argument(
+        "scenario", choices=["roundtrip", "loop", "refused", "nodes", "metrics", "s3"]
+    )
     parser.add_argument("--root", required=True)
     parser.add_argument("--side", default="", help="directory for reference tensors")
     parser.add_argument("--format", default="torch_save")
@@ -520,6 +600,7 @@ def main() -> None:
     parser.add_argument("--final-step", type=int, default=-1, help="a final safetensors save")
     parser.add_argument("--local-world-size", type=int, default=-1, help="-1: from the env")
     parser.add_argument("--losses", default="", help="STEP=VAL_LOSS,... (the metrics scenario)")
+    parser.add_argument("--bad-secret-rank", type=int, default=-1, help="s3: its upload fails")
     args = parser.parse_args()
     job = Job(args)
     if args.scenario == "roundtrip":
@@ -532,6 +613,8 @@ def main() -> None:
         nodes(job)
     elif args.scenario == "metrics":
         metrics(job)
+    elif args.scenario == "s3":
+        s3(job)
     else:
         loop(job)
     import torch.distributed as dist

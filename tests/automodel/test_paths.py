@@ -1,18 +1,24 @@
-"""Finding adapters and steps on disk; the CPU stager; upload ordering. All in-process."""
+"""Finding adapters and steps on disk and in a store; the CPU stager; upload ordering.
+
+All in-process.
+"""
 
 from __future__ import annotations
 
 import os
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import nemo_automodel.components.checkpoint.checkpointing as am_checkpointing
 import pytest
+from nemo_automodel.components.checkpoint.config import CheckpointingConfig
 from torch.distributed.checkpoint.staging import DefaultStager
 
 from orchestrator.automodel import _resolve_lora_adapter_dir
 from orchestrator.automodel._lora import peft_load_dir
 from orchestrator.automodel._stager import accelerator_available, install_cpu_safe_stager
+from orchestrator.automodel._staging import refuse_on_store, stage_step
 from orchestrator.automodel._steps import locate_step
 from orchestrator.automodel._uploads import Turns
 
@@ -164,3 +170,63 @@ class TestTurns:
         with pytest.raises(RuntimeError):
             turns.run(first, boom)
         assert turns.run(second, lambda: 2) == 2
+
+
+class TestObjectStoreSteps:
+    """A path in an s3:// root names its step; the rank's local stand-in is its own."""
+
+    @pytest.fixture(autouse=True)
+    def _staging(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv("CKPTD_STAGING_DIR", str(tmp_path / "staging"))
+
+    def test_the_step_and_its_stand_in(self, tmp_path: Path) -> None:
+        staged = stage_step("s3://ckpt/runs/r1/tmp_step_12/policy/weights", "tmp_step_", 1)
+        assert staged is not None
+        assert (staged.root, staged.step) == ("s3://ckpt/runs/r1", 12)
+        assert staged.url == "s3://ckpt/runs/r1/tmp_step_12"
+        local = Path(staged.local)
+        assert local.is_dir() and local.name == "tmp_step_12"
+        assert local.is_relative_to(tmp_path / "staging" / "rank1")
+        assert staged.local_path(f"{staged.url}/policy/weights") == str(
+            local / "policy" / "weights"
+        )
+        assert staged.location.relative(str(local / "policy" / "optimizer")) == "policy/optimizer"
+        staged.discard()
+        assert not local.exists()
+
+    def test_a_root_that_is_a_whole_bucket(self) -> None:
+        staged = stage_step("s3://ckpt/tmp_step_3/policy/weights", "tmp_step_", 0)
+        assert staged is not None and (staged.root, staged.step) == ("s3://ckpt", 3)
+
+    def test_every_save_gets_a_fresh_stand_in(self) -> None:
+        first = stage_step("s3://ckpt/r/tmp_step_1/w", "tmp_step_", 0)
+        again = stage_step("s3://ckpt/r/tmp_step_1/w", "tmp_step_", 0)
+        assert first is not None and again is not None and first.local != again.local
+
+    @pytest.mark.parametrize(
+        "path",
+        ["s3://ckpt/r/tmp_step_2/policy/weights", "s3://ckpt/r/tmp_step_1/../tmp_step_2/x"],
+    )
+    def test_a_path_outside_the_step_is_refused(self, path: str) -> None:
+        staged = stage_step("s3://ckpt/r/tmp_step_1/policy/weights", "tmp_step_", 0)
+        assert staged is not None
+        with pytest.raises(ValueError, match="is not inside s3://ckpt/r/tmp_step_1"):
+            staged.local_path(path)
+
+    def test_no_step_in_the_url(self) -> None:
+        assert stage_step("s3://ckpt/r/step_1/policy/weights", "tmp_step_", 0) is None
+        with pytest.raises(ValueError, match="not an object-store URL"):
+            stage_step("/ckpt/r/tmp_step_1/policy/weights", "tmp_step_", 0)
+
+    def test_consolidation_and_reference_mode_are_refused(self) -> None:
+        staged = stage_step("s3://ckpt/r/tmp_step_1/policy/weights", "tmp_step_", 0)
+        assert staged is not None
+        updates = {"model_save_format": "safetensors", "save_consolidated": "final"}
+        config = CheckpointingConfig(enabled=True, checkpoint_dir="", **updates)
+        checkpointer = SimpleNamespace(config=config)
+        with pytest.raises(ValueError, match="need the ckptd daemon"):
+            refuse_on_store(checkpointer, None, staged, False)
+        tracker = object()
+        refuse_on_store(checkpointer, tracker, staged, False)  # not final: no consolidation
+        with pytest.raises(ValueError, match="consolidated HF safetensors"):
+            refuse_on_store(checkpointer, tracker, staged, True)
