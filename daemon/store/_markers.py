@@ -379,8 +379,9 @@ def spanning_attempt(root: RootConfig, step: int) -> AttemptMarker | None:
         names = os.listdir(tmp)
     except (FileNotFoundError, NotADirectoryError):
         return None
-    if ATTEMPT_MARKER not in names or not any(is_marker_name(n) for n in names):
-        return None
+    final = [n for n in names if n.startswith(NODE_PREFIX) and n.endswith(".json")]
+    if ATTEMPT_MARKER not in names or not final:
+        return None  # a marker's temporary file alone (a write cut short) proves nothing
     try:
         with open(os.path.join(tmp, ATTEMPT_MARKER), "rb") as fh:
             found = msgspec.json.decode(fh.read(65536), type=AttemptMarker)
@@ -388,6 +389,6 @@ def spanning_attempt(root: RootConfig, step: int) -> AttemptMarker | None:
         return None
     # A one-node save's marker (all its ranks on one node) is no sign of other nodes.
     markers = [m for m in read_markers_in(tmp, {}) if isinstance(m, NodeMarker)]
-    if not any(m.local_world_size < m.world_size for m in markers):
+    if len(markers) == len(final) and all(m.local_world_size >= m.world_size for m in markers):
         return None
     return found
