@@ -448,6 +448,20 @@ class TestRetention:
 class TestNodes:
     """A save spanning two nodes' daemons on one s3:// root: markers and verdicts as objects."""
 
+    @staticmethod
+    def _two_nodes(
+        seaweed: S3Server,
+        daemons: Callable[..., DaemonProcess],
+        jobs: Callable[..., Job],
+        root: str,
+    ) -> tuple[DaemonProcess, DaemonProcess, Callable[..., Job]]:
+        """Daemons of nodes n0 (the leader) and n1, and a starter of a rank on each."""
+        leader = daemons([root], seaweed.env(), "n0", "--node", "n0")
+        follower = daemons([root], seaweed.env(), "n1", "--node", "n1")
+        env = {**seaweed.env(), "LOCAL_WORLD_SIZE": "1"}
+        sockets = [leader.socket_path, follower.socket_path]
+        return leader, follower, lambda *args: jobs(sockets, env, root, 2, *args)
+
     def test_two_nodes(
         self,
         seaweed: S3Server,
@@ -455,11 +469,8 @@ class TestNodes:
         jobs: Callable[..., Job],
     ) -> None:
         root = seaweed.root()
-        leader = daemons([root], seaweed.env(), "n0", "--node", "n0")
-        follower = daemons([root], seaweed.env(), "n1", "--node", "n1")
-        env = {**seaweed.env(), "LOCAL_WORLD_SIZE": "1"}
-        sockets = [leader.socket_path, follower.socket_path]
-        job = jobs(sockets, env, root, 2, "--step", "8", "--load", "--run", "two-nodes")
+        leader, follower, start = self._two_nodes(seaweed, daemons, jobs, root)
+        job = start("--step", "8", "--load", "--run", "two-nodes")
         promoted = leader.wait_event("checkpoint.promoted", timeout=90)
         assert promoted["step"] == 8
         learned = follower.wait_event("checkpoint.promoted", timeout=90)
@@ -480,11 +491,8 @@ class TestNodes:
         jobs: Callable[..., Job],
     ) -> None:
         root = seaweed.root()
-        leader = daemons([root], seaweed.env(), "n0", "--node", "n0")
-        follower = daemons([root], seaweed.env(), "n1", "--node", "n1")
-        env = {**seaweed.env(), "LOCAL_WORLD_SIZE": "1"}
-        sockets = [leader.socket_path, follower.socket_path]
-        job = jobs(sockets, env, root, 2, "--step", "9", "--die-mid-upload", "--run", "r")
+        leader, follower, start = self._two_nodes(seaweed, daemons, jobs, root)
+        job = start("--step", "9", "--die-mid-upload", "--run", "r")
         begun = job.wait_line("begun", rank=0)
         job.wait_line("dying", rank=1)
         failed = leader.wait_event("checkpoint.failed", timeout=90)
