@@ -17,6 +17,7 @@ from orchestrator import protocol as p
 from ..base._errors import VerificationError
 from ..config._config import RootConfig
 from ..config._root import abspath
+from ..config._s3 import is_s3_url
 from ..store._attempts import TRASH
 from ..store._routed import RoutedStorage
 from ..store._storage import Storage
@@ -30,7 +31,7 @@ __all__ = ["latest", "ls", "root_layout", "verify"]
 def root_layout(args: argparse.Namespace, status: dict[str, Any] | None) -> RootConfig:
     """The root's directory names: the daemon's configuration when it answers."""
     path = abspath(args.root)
-    real = path if path.startswith("s3://") else os.path.realpath(path)
+    real = path if is_s3_url(path) else os.path.realpath(path)
     names = {"tmp_prefix": args.tmp_prefix, "final_prefix": args.final_prefix}
     names["pointer"] = args.pointer
     for layout in (status or {}).get("layouts", []):
