@@ -222,8 +222,16 @@ class SimNode:
         return daemon.start()
 
     def kill_daemon(self, sig: int = signal.SIGKILL) -> int:
-        """Signal the node's daemon and reap it; returns its exit code."""
+        """Signal the node's daemon and reap it; returns its exit code.
+
+        On a frozen node a SIGKILL is sent first and the mount thawed before the reap: a
+        killed process still waits for the calls bindfs had taken before it stopped (and
+        for its open files' flushes as it exits), but starts none.
+        """
         assert self.daemon is not None, f"{self.name} has no daemon"
+        if self.frozen and sig == signal.SIGKILL and self.daemon.proc is not None:
+            self.daemon.proc.send_signal(sig)
+            self.thaw()
         code = self.daemon.stop(sig)
         self._close_daemon()
         return code

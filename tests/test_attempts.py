@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from daemon.cli import main
+from daemon.config._root import RootConfig
+from daemon.store._attempts import prepare, stage_marker
 from orchestrator.protocol import ATTEMPT_MARKER
 from tests._fuse import bindfs_mount
 from tests.conftest import DaemonProcess, LineClient
@@ -279,3 +281,47 @@ class TestDeletedCheckpoint:
             shutil.rmtree(root / "step_3")  # an operator deletes the checkpoint
         gone = daemon.wait_event("checkpoint.gone")
         assert (gone["step"], gone["path"]) == (3, str(root / "step_3"))
+
+
+class TestStagedMarker:
+    """A new attempt's marker is flushed before the root's lock; under it, only named."""
+
+    def test_the_staged_marker_is_the_one_placed(self, root: Path) -> None:
+        config = RootConfig(path=str(root), real=str(root))
+        (root / "tmp_step_2").mkdir()
+        (root / "tmp_step_2" / "training_info.json").write_text("{}")  # written before begin
+        staged = stage_marker(config, 2, "a" * 16, 4, run="job:1")
+        assert staged.file is not None
+        try:
+            done = prepare(config, 2, "a" * 16, 4, "job:1", sync=False, staged=staged)
+        finally:
+            staged.close()
+        assert (root / "tmp_step_2" / ATTEMPT_MARKER).read_bytes() == staged.data
+        marker = json.loads(staged.data)
+        assert (marker["attempt"], marker["world_size"], marker["run"]) == ("a" * 16, 4, "job:1")
+        assert sorted(os.listdir(root / "tmp_step_2")) == [ATTEMPT_MARKER, "training_info.json"]
+        assert done.unsynced == (str(root / "tmp_step_2"),)
+
+    def test_another_attempts_directory_is_still_set_aside(self, root: Path) -> None:
+        config = RootConfig(path=str(root), real=str(root))
+        prepare(config, 3, "b" * 16, 1)
+        (root / "tmp_step_3" / "old.bin").write_bytes(b"old")
+        staged = stage_marker(config, 3, "c" * 16, 1)
+        try:
+            done = prepare(config, 3, "c" * 16, 1, staged=staged)
+        finally:
+            staged.close()
+        assert done.foreign == "b" * 16 and done.moved is not None
+        assert os.listdir(root / "tmp_step_3") == [ATTEMPT_MARKER]
+        placed = json.loads((root / "tmp_step_3" / ATTEMPT_MARKER).read_bytes())
+        assert placed["attempt"] == "c" * 16
+
+    def test_without_an_unnamed_file_the_bytes_are_written(self, tmp_path: Path) -> None:
+        backing, mount = tmp_path / "backing", tmp_path / "mnt"
+        backing.mkdir()
+        with bindfs_mount(backing, mount):
+            config = RootConfig(path=str(mount), real=str(mount))
+            staged = stage_marker(config, 1, "d" * 16, 1)
+            assert staged.file is None
+            prepare(config, 1, "d" * 16, 1, staged=staged)
+            assert (backing / "tmp_step_1" / ATTEMPT_MARKER).read_bytes() == staged.data

@@ -1,7 +1,12 @@
-"""Flushing a directory: concurrent flushes of one directory share the disk's work."""
+"""Durable small writes: shared directory flushes, and files flushed before they are named.
+
+Concurrent flushes of one directory share the disk's work; a file flushed under no name
+is named in one call.
+"""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -9,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon.store._durable import fsync_dir
+from daemon.store._durable import fsync_dir, stage
+from tests._fuse import bindfs_mount
 from tests._system import require_tool
 
 _FLUSHERS = 64
@@ -73,3 +79,43 @@ class TestSharedFlushes:
         with pytest.raises(NotADirectoryError):
             (tmp_path / "f").write_bytes(b"")
             fsync_dir(str(tmp_path / "f"))
+
+
+class TestStaged:
+    """A small file flushed under no name, then named in one call (an attempt's marker)."""
+
+    def test_placed_file_holds_the_bytes_and_nothing_else_is_left(self, tmp_path: Path) -> None:
+        before = set(os.listdir(tmp_path))
+        staged = stage(str(tmp_path), b"marker bytes")
+        assert staged is not None, "ext4 and tmpfs have O_TMPFILE"
+        assert set(os.listdir(tmp_path)) == before  # no name until placed
+        (tmp_path / "tmp_step_1").mkdir()
+        staged.place(str(tmp_path / "tmp_step_1" / "m.json"))
+        staged.close()
+        assert (tmp_path / "tmp_step_1" / "m.json").read_bytes() == b"marker bytes"
+        assert os.stat(tmp_path / "tmp_step_1" / "m.json").st_nlink == 1
+        assert set(os.listdir(tmp_path)) == before | {"tmp_step_1"}
+
+    def test_never_placed_leaves_nothing(self, tmp_path: Path) -> None:
+        staged = stage(str(tmp_path), b"x" * 10_000)
+        assert staged is not None
+        staged.close()
+        staged.close()  # idempotent
+        assert os.listdir(tmp_path) == []
+
+    def test_an_existing_name_is_not_replaced(self, tmp_path: Path) -> None:
+        (tmp_path / "m.json").write_bytes(b"old")
+        staged = stage(str(tmp_path), b"new")
+        assert staged is not None
+        with pytest.raises(FileExistsError):
+            staged.place(str(tmp_path / "m.json"))
+        staged.close()
+        assert (tmp_path / "m.json").read_bytes() == b"old"
+
+    def test_a_filesystem_without_unnamed_files_stages_nothing(self, tmp_path: Path) -> None:
+        require_tool("bindfs")
+        backing, mount = tmp_path / "backing", tmp_path / "mnt"
+        backing.mkdir()
+        with bindfs_mount(backing, mount):
+            assert stage(str(mount), b"m") is None
+            assert os.listdir(backing) == []

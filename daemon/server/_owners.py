@@ -26,7 +26,7 @@ from ..config._config import RootConfig
 from ..host._holds import Holds
 from ..host._host import Host
 from ..ledger._ledger import SaveKey, SaveRecord, SetAside
-from ..store._attempts import Prepared
+from ..store._attempts import Prepared, StagedMarker
 
 __all__ = ["AttemptDirs"]
 
@@ -92,13 +92,20 @@ class AttemptDirs:
 
     async def _prepare(self, root: RootConfig, save: SaveRecord) -> None:
         daemon, key = self._daemon, save.key
+        args = (root, key.step, save.attempt, save.world_size, save.run)
         try:
             with anyio.CancelScope(shield=True):
-                async with daemon.root_locks[root.path]:
-                    prepare = partial(daemon.storage.prepare, sync=False)
-                    done = await self._run(
-                        root, prepare, root, key.step, save.attempt, save.world_size, save.run
-                    )
+                # The marker's own flush before the lock: concurrent new attempts' overlap,
+                # and under the lock it only gets its name.
+                staged = await self._run(root, daemon.storage.stage_attempt, *args)
+                assert staged is None or isinstance(staged, StagedMarker)
+                try:
+                    async with daemon.root_locks[root.path]:
+                        prepare = partial(daemon.storage.prepare, sync=False, staged=staged)
+                        done = await self._run(root, prepare, *args)
+                finally:
+                    if staged is not None:
+                        await self._run(root, staged.close)
                 assert isinstance(done, Prepared)
                 # The root's flush, outside its lock: new attempts beginning together
                 # share one (the begin is still acknowledged only once it is durable).

@@ -25,13 +25,15 @@ import msgspec
 from orchestrator.protocol import ATTEMPT_MARKER, AttemptMarker
 
 from ..config._config import RootConfig
-from ._durable import fsync_dir, write_atomic
+from ._durable import Staged, fsync_dir, stage, write_atomic
 
 __all__ = [
     "TRASH",
     "Prepared",
+    "StagedMarker",
     "new_attempt_id",
     "prepare",
+    "stage_marker",
     "read_marker",
     "set_aside",
     "set_aside_dirs",
@@ -66,6 +68,53 @@ class Prepared(msgspec.Struct, frozen=True):
     unsynced: tuple[str, ...] = ()
 
 
+class StagedMarker:
+    """An attempt's marker, encoded, and where it can, written and flushed unnamed.
+
+    Made by :func:`stage_marker` before the root's lock is taken, so that under it
+    :func:`prepare` only links the flushed file into ``tmp_step_N``. :meth:`close` it
+    once :func:`prepare` returned, whether or not it was used.
+    """
+
+    def __init__(self, data: bytes, file: Staged | None) -> None:
+        self.data = data
+        """The marker's bytes (what :func:`prepare` writes when nothing was staged)."""
+        self.file = file
+        """The flushed unnamed file holding :attr:`data`; None where there is none."""
+
+    def close(self) -> None:
+        """Release the unnamed file, if any."""
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+def stage_marker(
+    root: RootConfig, step: int, attempt: str, world_size: int, run: str = ""
+) -> StagedMarker:
+    """Attempt ``attempt``'s marker for step ``step``, flushed ahead of :func:`prepare`.
+
+    Needs no lock: the file has no name until :func:`prepare` links it into place.
+
+    Raises:
+        OSError: the unnamed file cannot be written or synced.
+    """
+    data = _encode(root, step, attempt, world_size, run)
+    return StagedMarker(data, stage(root.path, data))
+
+
+def _encode(root: RootConfig, step: int, attempt: str, world_size: int, run: str) -> bytes:
+    marker = AttemptMarker(
+        attempt=attempt,
+        root=root.path,
+        step=step,
+        world_size=world_size,
+        created=datetime.now(UTC).isoformat(),
+        run=run,
+    )
+    return msgspec.json.encode(marker)
+
+
 def read_marker(tmp: str) -> AttemptMarker | None:
     """The marker in ``tmp``; None if there is none.
 
@@ -89,7 +138,14 @@ def read_marker(tmp: str) -> AttemptMarker | None:
 
 
 def prepare(
-    root: RootConfig, step: int, attempt: str, world_size: int, run: str = "", *, sync: bool = True
+    root: RootConfig,
+    step: int,
+    attempt: str,
+    world_size: int,
+    run: str = "",
+    *,
+    sync: bool = True,
+    staged: StagedMarker | None = None,
 ) -> Prepared:
     """Make ``tmp_step_N`` attempt ``attempt``'s directory, durably. Idempotent.
 
@@ -104,6 +160,11 @@ def prepare(
     directory was created or moved there, are left for the caller to flush
     (:attr:`Prepared.unsynced`), outside the root's lock, where the flushes of
     concurrent new attempts overlap or are shared.
+
+    With ``staged`` (:func:`stage_marker`, for this attempt), its already flushed file
+    is linked into place instead, so the only flush left is the directories'; where it
+    cannot be linked (no unnamed file, another filesystem), its bytes are written as
+    above.
 
     Raises:
         OSError: the directory cannot be moved, created or marked.
@@ -123,15 +184,10 @@ def prepare(
         created = True
     except FileExistsError:
         pass
-    marker = AttemptMarker(
-        attempt=attempt,
-        root=root.path,
-        step=step,
-        world_size=world_size,
-        created=datetime.now(UTC).isoformat(),
-        run=run,
-    )
-    write_atomic(os.path.join(tmp, ATTEMPT_MARKER), msgspec.json.encode(marker), sync_dir=sync)
+    path = os.path.join(tmp, ATTEMPT_MARKER)
+    if staged is None or not _link(staged, path, sync=sync):
+        data = _encode(root, step, attempt, world_size, run) if staged is None else staged.data
+        write_atomic(path, data, sync_dir=sync)
     if not sync:
         unsynced.insert(0, tmp)
     if created or moved is not None:
@@ -141,6 +197,19 @@ def prepare(
             unsynced.append(root.path)
     foreign = None if found is None else found.attempt
     return Prepared(moved=moved, foreign=foreign, created=created, unsynced=tuple(unsynced))
+
+
+def _link(staged: StagedMarker, path: str, *, sync: bool) -> bool:
+    """Link the staged marker in as ``path``; False where it cannot be (write it instead)."""
+    if staged.file is None:
+        return False
+    try:
+        staged.file.place(path)
+    except OSError:
+        return False
+    if sync:
+        fsync_dir(os.path.dirname(path))
+    return True
 
 
 def set_aside(root: RootConfig, step: int, attempt: str, *, sync: bool = True) -> str | None:

@@ -18,7 +18,7 @@ import threading
 import uuid
 from dataclasses import dataclass, field
 
-__all__ = ["fsync_dir", "make_dir", "probe_write", "write_atomic"]
+__all__ = ["Staged", "fsync_dir", "make_dir", "probe_write", "stage", "write_atomic"]
 
 
 def write_atomic(path: str, data: bytes, *, sync_dir: bool = True) -> None:
@@ -46,6 +46,67 @@ def write_atomic(path: str, data: bytes, *, sync_dir: bool = True) -> None:
     os.replace(tmp, path)
     if sync_dir:
         fsync_dir(os.path.dirname(path))
+
+
+class Staged:
+    """A small file's contents, written and flushed under no name yet (:func:`stage`).
+
+    :meth:`place` gives it its name in one call, so a caller that must hold a lock while
+    the name appears does only that under it, and the contents' flush overlaps the
+    flushes of other callers'. :meth:`close` when done with it, placed or not.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    def place(self, path: str) -> None:
+        """Name the contents ``path``, which must not exist; atomic like a rename.
+
+        The new name is durable once its directory is fsynced.
+
+        Raises:
+            OSError: ``path`` exists (``FileExistsError``), is on another filesystem
+                (``EXDEV``), or cannot be linked.
+        """
+        # linkat(AT_SYMLINK_FOLLOW) of the fd's /proc entry: os.link uses linkat only
+        # when given a directory fd (plain link(2) would link the /proc symlink itself).
+        fds = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.link(str(self._fd), path, src_dir_fd=fds, follow_symlinks=True)
+        finally:
+            os.close(fds)
+
+    def close(self) -> None:
+        """Release the unnamed file (gone with it unless :meth:`place` named it)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def stage(directory: str, data: bytes) -> Staged | None:
+    """``data`` written and fsynced into an unnamed file (``O_TMPFILE``) in ``directory``.
+
+    A crash leaves nothing behind. None where the filesystem has no unnamed files (NFS,
+    most FUSE servers): the caller then writes the file by :func:`write_atomic`.
+
+    Raises:
+        OSError: the file cannot be created, written or synced.
+    """
+    try:
+        fd = os.open(directory, os.O_WRONLY | os.O_TMPFILE | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            return None
+        raise
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return Staged(fd)
 
 
 @dataclass

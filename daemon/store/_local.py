@@ -32,7 +32,7 @@ from . import (
     _steps,
     _verify,
 )
-from ._attempts import Prepared
+from ._attempts import Prepared, StagedMarker
 from ._durable import fsync_dir
 from ._facts import StepRetention
 from ._gc import KeptEntry, TmpDir
@@ -219,6 +219,12 @@ class LocalStorage:
         """See :func:`daemon.store._layout.write_layout`."""
         return _layout.write_layout(root)
 
+    def stage_attempt(
+        self, root: RootConfig, step: int, attempt: str, world_size: int, run: str = ""
+    ) -> StagedMarker | None:
+        """See :func:`daemon.store._attempts.stage_marker`."""
+        return _attempts.stage_marker(root, step, attempt, world_size, run)
+
     def prepare(
         self,
         root: RootConfig,
@@ -228,9 +234,10 @@ class LocalStorage:
         run: str = "",
         *,
         sync: bool = True,
+        staged: StagedMarker | None = None,
     ) -> Prepared:
         """See :func:`daemon.store._attempts.prepare`."""
-        return _attempts.prepare(root, step, attempt, world_size, run, sync=sync)
+        return _attempts.prepare(root, step, attempt, world_size, run, sync=sync, staged=staged)
 
     def read_attempt(self, tmp: str) -> AttemptMarker | None:
         """See :func:`daemon.store._attempts.read_marker`."""

@@ -14,7 +14,7 @@ from orchestrator.protocol import AttemptMarker, FileEntry
 
 from ..config._config import RootConfig
 from ..config._s3 import is_s3_url
-from ._attempts import Prepared
+from ._attempts import Prepared, StagedMarker
 from ._facts import StepRetention
 from ._gc import KeptEntry, TmpDir
 from ._local import LocalStorage
@@ -166,6 +166,12 @@ class RoutedStorage:
         """See :meth:`daemon.store._storage.Storage.write_layout`."""
         return self._for(root).write_layout(root)
 
+    def stage_attempt(
+        self, root: RootConfig, step: int, attempt: str, world_size: int, run: str = ""
+    ) -> StagedMarker | None:
+        """See :meth:`daemon.store._storage.Storage.stage_attempt`."""
+        return self._for(root).stage_attempt(root, step, attempt, world_size, run)
+
     def prepare(
         self,
         root: RootConfig,
@@ -175,9 +181,11 @@ class RoutedStorage:
         run: str = "",
         *,
         sync: bool = True,
+        staged: StagedMarker | None = None,
     ) -> Prepared:
         """See :meth:`daemon.store._storage.Storage.prepare`."""
-        return self._for(root).prepare(root, step, attempt, world_size, run, sync=sync)
+        for_root = self._for(root)
+        return for_root.prepare(root, step, attempt, world_size, run, sync=sync, staged=staged)
 
     def read_attempt(self, tmp: str) -> AttemptMarker | None:
         """See :meth:`daemon.store._storage.Storage.read_attempt`."""

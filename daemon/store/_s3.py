@@ -27,7 +27,7 @@ from ..base._faults import crash_point
 from ..config._config import RootConfig
 from . import _s3commit as commits
 from . import _s3pointers as pointers
-from ._attempts import Prepared
+from ._attempts import Prepared, StagedMarker
 from ._promote import Promotion
 from ._s3client import Bucket, Listed, Precondition, StoreError
 from ._s3commit import Commit
@@ -371,6 +371,12 @@ class S3Storage(S3Keep, S3Nodes):
 
     # -- attempts ----------------------------------------------------------------------
 
+    def stage_attempt(
+        self, root: RootConfig, step: int, attempt: str, world_size: int, run: str = ""
+    ) -> StagedMarker | None:
+        """Nothing to stage: a PUT is durable when it returns."""
+        return None
+
     def prepare(
         self,
         root: RootConfig,
@@ -380,11 +386,12 @@ class S3Storage(S3Keep, S3Nodes):
         run: str = "",
         *,
         sync: bool = True,
+        staged: StagedMarker | None = None,
     ) -> Prepared:
         """Mark step N as attempt ``attempt``'s; a previous attempt's objects stay put.
 
-        A PUT is durable when it returns: ``sync`` changes nothing, and nothing is left
-        for the caller to flush.
+        A PUT is durable when it returns: ``sync`` and ``staged`` change nothing, and
+        nothing is left for the caller to flush.
 
         Raises:
             StoreError: the marker could not be written.

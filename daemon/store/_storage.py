@@ -21,7 +21,7 @@ from typing import Protocol
 from orchestrator.protocol import AttemptMarker, FileEntry
 
 from ..config._config import RootConfig
-from ._attempts import Prepared
+from ._attempts import Prepared, StagedMarker
 from ._facts import StepRetention
 from ._gc import KeptEntry, TmpDir
 from ._markers import NodeMarker, Outcome, Seen, Verdict
@@ -158,6 +158,15 @@ class Storage(Protocol):
 
     # Attempts (daemon.store._attempts).
 
+    def stage_attempt(
+        self, root: RootConfig, step: int, attempt: str, world_size: int, run: str = ""
+    ) -> StagedMarker | None:
+        """The attempt's marker, made durable before the root's lock where that is possible.
+
+        Handed to :meth:`prepare` (and closed after it); None where nothing can be staged.
+        """
+        ...
+
     def prepare(
         self,
         root: RootConfig,
@@ -167,10 +176,12 @@ class Storage(Protocol):
         run: str = "",
         *,
         sync: bool = True,
+        staged: StagedMarker | None = None,
     ) -> Prepared:
         """Make ``tmp_step_N`` the attempt's (of run ``run``): mark it, setting aside another's.
 
         Without ``sync``, the directories in ``Prepared.unsynced`` are the caller's to flush.
+        ``staged`` is this attempt's marker from :meth:`stage_attempt`.
         """
         ...
 
