@@ -1,7 +1,8 @@
 """Rank processes forked from a server that imported torch once, instead of each importing it.
 
 A rank of the suite's gloo jobs spends most of its CPU importing ``torch`` (about 2.5 s)
-and, for the automodel jobs, ``nemo_automodel`` (about 6 s). A :class:`Zygote` is a
+and, for the automodel jobs, ``nemo_automodel`` (about 6 s); a ``ckptd serve`` started
+by a test, importing the daemon (about 0.35 s, hundreds of times). A :class:`Zygote` is a
 process that imports them once and then forks one child per rank on request. Each child
 is a real, separate process: its own pid, environment, working directory and stdout
 pipe, running the rank's script as ``__main__``; the test signals it and reads its exit
@@ -42,6 +43,8 @@ PRELOADS: Mapping[str, tuple[str, ...]] = {
         "torch.distributed.checkpoint",
         "nemo_automodel.components.checkpoint.checkpointing",
     ),
+    # ``ckptd serve`` (tests/conftest.py's DaemonProcess): the suite starts hundreds.
+    "daemon": ("daemon.cli", "daemon.server._server", "uvloop", "daemon.store._s3client"),
 }
 """What each kind of zygote imports before it forks."""
 

@@ -22,6 +22,7 @@ import pytest
 
 from orchestrator._nodes import ENV_VARS
 from orchestrator._run import RUN_VARS
+from tests._zygote import zygote
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -89,6 +90,10 @@ def root(tmp_path: Path) -> Path:
     return path
 
 
+_READ_AT_IMPORT = frozenset({"CKPTD_CRASH_AT"})
+"""Environment variables the daemon reads when its modules are imported."""
+
+
 class DaemonProcess:
     """``ckptd serve`` as a real subprocess, with its stdout events readable in order."""
 
@@ -122,9 +127,20 @@ class DaemonProcess:
             cmd += ["--root", str(r)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         env.pop("CKPTD_SOCKET", None)
-        self.proc = subprocess.Popen(
-            cmd + self.extra, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=REPO
-        )
+        # Forked from a process that imported the daemon once (tests/_zygote.py); run
+        # as a command when it runs under another (a node's namespace) or when its
+        # environment sets what the daemon reads as it is imported (a crash point).
+        forked = None if self.wrap or _READ_AT_IMPORT & env.keys() else zygote("daemon")
+        if forked is not None:
+            self.proc = forked.spawn([*cmd[1:], *self.extra], env, REPO)
+        else:
+            self.proc = subprocess.Popen(
+                cmd + self.extra,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=REPO,
+            )
         self._pump_thread = threading.Thread(target=self._pump, args=(self.proc,), daemon=True)
         self._pump_thread.start()
         self.wait_event("daemon.ready", timeout=timeout)
