@@ -31,6 +31,7 @@ __all__ = [
     "TRASH",
     "Prepared",
     "StagedMarker",
+    "encode_marker",
     "new_attempt_id",
     "prepare",
     "stage_marker",
@@ -99,11 +100,12 @@ def stage_marker(
     Raises:
         OSError: the unnamed file cannot be written or synced.
     """
-    data = _encode(root, step, attempt, world_size, run)
+    data = encode_marker(root, step, attempt, world_size, run)
     return StagedMarker(data, stage(root.path, data))
 
 
-def _encode(root: RootConfig, step: int, attempt: str, world_size: int, run: str) -> bytes:
+def encode_marker(root: RootConfig, step: int, attempt: str, world_size: int, run: str) -> bytes:
+    """Attempt ``attempt``'s marker for step ``step`` of ``root``, created now, as JSON."""
     marker = AttemptMarker(
         attempt=attempt,
         root=root.path,
@@ -186,8 +188,9 @@ def prepare(
         pass
     path = os.path.join(tmp, ATTEMPT_MARKER)
     if staged is None or not _link(staged, path, sync=sync):
-        data = _encode(root, step, attempt, world_size, run) if staged is None else staged.data
-        write_atomic(path, data, sync_dir=sync)
+        if staged is None:
+            staged = StagedMarker(encode_marker(root, step, attempt, world_size, run), None)
+        write_atomic(path, staged.data, sync_dir=sync)
     if not sync:
         unsynced.insert(0, tmp)
     if created or moved is not None:

@@ -27,7 +27,7 @@ from ..base._faults import crash_point
 from ..config._config import RootConfig
 from . import _s3commit as commits
 from . import _s3pointers as pointers
-from ._attempts import Prepared, StagedMarker
+from ._attempts import Prepared, StagedMarker, encode_marker
 from ._promote import Promotion
 from ._s3client import Bucket, Listed, Precondition, StoreError
 from ._s3commit import Commit
@@ -400,15 +400,7 @@ class S3Storage(S3Keep, S3Nodes):
         previous = commits.read_marker(bucket, root, step)
         if previous is not None and previous.attempt == attempt:
             return Prepared()
-        marker = AttemptMarker(
-            attempt=attempt,
-            root=root.path,
-            step=step,
-            world_size=world_size,
-            created=datetime.now(UTC).isoformat(),
-            run=run,
-        )
-        data = msgspec.json.encode(marker)
+        data = encode_marker(root, step, attempt, world_size, run)
         # The attempt's own marker first (what verification checks, never replaced),
         # then the step's current one (what a daemon without its journal reads).
         bucket.put(commits.own_marker_name(root, step, attempt), data)
