@@ -13,6 +13,8 @@ point by point and interleaved:
 - ``ckptd``: the daemon as shipped (on uvloop, journal fsynced on the benchmark's disk);
 - ``ckptd, begin + fail``: each ``begin`` followed by a ``fail`` instead, so every step
   is a fresh attempt whose directory is marked, then set aside (each durably);
+- ``ckptd, ranks of one step`` (``join``): the N clients are N ranks of the same steps,
+  one after another, so one ``begin`` a step makes its attempt and the others join it;
 - ``ckptd, journal on tmpfs`` (full mode): the same with ``--state-dir`` on
   ``/dev/shm``, where ``fsync`` is free: what the daemon's own code costs;
 - ``ckptd on asyncio`` (full mode): the same daemon on the standard library's event loop
@@ -54,19 +56,31 @@ _decode = msgspec.json.decode
 
 
 async def _client(
-    path: str, root: str, ident: int, stop_at: float, lat: list[float], second: str = "done"
+    path: str,
+    root: str,
+    ident: int,
+    stop_at: float,
+    lat: list[float],
+    second: str = "done",
+    clients: int = 1,
 ) -> int:
     reader, writer = await asyncio.open_unix_connection(path, limit=1 << 20)
     sent = 0
-    step = ident * 10_000_000
+    # Its own steps, as rank 0 of world size 2; or, joining, rank ``ident`` of steps
+    # 1, 2, 3... that every client saves (one rank more than the clients: never complete).
+    join = second == "join"
+    step = 0 if join else ident * 10_000_000
+    rank, world = (ident, clients + 1) if join else (0, 2)
     clock = time.perf_counter
     try:
         while clock() < stop_at:
             step += 1
-            for op in ("begin", second):
-                req: dict[str, Any] = {"op": op, "id": sent, "root": root, "step": step, "rank": 0}
+            for op in ("begin", "done" if join else second):
+                req: dict[str, Any] = {
+                    "op": op, "id": sent, "root": root, "step": step, "rank": rank
+                }  # fmt: skip
                 if op == "begin":
-                    req["world_size"] = 2
+                    req["world_size"] = world
                 elif op == "fail":
                     req["reason"] = "bench"
                 start = clock()
@@ -88,7 +102,7 @@ async def _load(
     start = time.perf_counter()
     stop_at = start + seconds
     counts = await asyncio.gather(
-        *(_client(path, root, i, stop_at, lat, second) for i in range(clients))
+        *(_client(path, root, i, stop_at, lat, second, clients) for i in range(clients))
     )
     return sum(counts) / (time.perf_counter() - start), lat
 
@@ -113,7 +127,9 @@ def load(
         clients: Connections, each with one request in flight.
         seconds: How long.
         second: What follows each ``begin``: ``done`` (the save stays open) or ``fail``
-            (the attempt fails and its fresh directory is set aside).
+            (the attempt fails and its fresh directory is set aside); or ``join``: every
+            client is one rank of the same steps (``begin`` + ``done``), so all but the
+            first ``begin`` of a step join its attempt.
 
     Returns:
         Requests per second and every round trip in seconds.
@@ -168,6 +184,7 @@ _TARGETS = {
     "ckptd": "ckptd",
     "tmpfs": "ckptd, journal on tmpfs",
     "fail": "ckptd, begin + fail",
+    "join": "ckptd, ranks of one step",
     "asyncio": "ckptd on asyncio",
     "echo-uvloop": "echo server (uvloop)",
 }
@@ -188,7 +205,8 @@ def run(
             journal and asyncio-loop variants.
         clients: Concurrent client counts (default 1, 8, 64, 512).
         seconds: Load duration per point (overrides the mode).
-        targets: Any of ``echo``, ``ckptd``, ``tmpfs``, ``asyncio``, ``echo-uvloop``.
+        targets: Any of ``echo``, ``ckptd``, ``fail``, ``join``, ``tmpfs``, ``asyncio``,
+            ``echo-uvloop``.
         trees: Other source trees whose daemon to measure as well (``ckptd`` kind).
     """
     counts = clients or [1, 8, 64, 512]
@@ -198,8 +216,9 @@ def run(
     )
     points: list[tuple[str, str, Path]] = [(k, _TARGETS[k], REPO) for k in kinds]
     points += [("ckptd", f"ckptd ({t.name})", t) for t in trees or []]
-    if "fail" in kinds:
-        points += [("fail", f"ckptd, begin + fail ({t.name})", t) for t in trees or []]
+    for kind in ("fail", "join"):
+        if kind in kinds:
+            points += [(kind, f"{_TARGETS[kind]} ({t.name})", t) for t in trees or []]
     results: dict[str, dict[int, dict[str, Any]]] = {label: {} for _, label, _ in points}
     for n in counts:
         for kind, label, tree in points:
@@ -212,7 +231,7 @@ def run(
                 else:
                     server = _daemon(work, root, kind, tree)
                 with server as sock:
-                    second = "fail" if kind == "fail" else "done"
+                    second = kind if kind in ("fail", "join") else "done"
                     rate, lat = load(sock, str(root), n, secs, second)
             ms = [x * 1000 for x in lat]
             results[label][n] = {"rps": rate, "p50_ms": median(ms), "p99_ms": p99(ms), "n": len(ms)}
@@ -245,7 +264,9 @@ def main() -> None:
     parser.add_argument("--full", action="store_true")
     parser.add_argument("--clients", help="comma-separated client counts")
     parser.add_argument("--seconds", type=float)
-    parser.add_argument("--targets", help="comma-separated: echo,ckptd,tmpfs,asyncio,echo-uvloop")
+    parser.add_argument(
+        "--targets", help="comma-separated: echo,ckptd,fail,join,tmpfs,asyncio,echo-uvloop"
+    )
     parser.add_argument("--tree", type=Path, action="append", default=[])
     args = parser.parse_args()
     result = run(
