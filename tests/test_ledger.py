@@ -1062,6 +1062,7 @@ class LedgerMachine(RuleBasedStateMachine):
             assert {r: rec.state for r, rec in save.ranks.items()} == {
                 r: rec.state for r, rec in model.ranks.items()
             }
+            assert save.all_done() == (not save.missing_ranks())
             if save.state in (SaveState.VERIFYING, SaveState.PROMOTING, SaveState.PROMOTED):
                 assert sorted(model.ranks) == list(range(model.world_size)), "a rank never began"
                 assert all(rec.state is RankState.DONE for rec in model.ranks.values())

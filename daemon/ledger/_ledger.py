@@ -292,7 +292,7 @@ class Ledger(Deadlines, SpanningLedger, Outcomes):
         ]
         if save.spans:
             effects += self._after_local_done(save)
-        elif not save.missing_ranks():
+        elif save.all_done():
             save.state = SaveState.VERIFYING
             effects.append(Verify(key))
         return effects

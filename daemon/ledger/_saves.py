@@ -190,6 +190,16 @@ class SaveRecord:
             rec.state is RankState.DONE for rec in local
         )
 
+    def all_done(self) -> bool:
+        """Whether every rank has begun and is done (no :meth:`missing_ranks`).
+
+        Stops at the first rank not done, so the ``done`` of each rank but the last
+        costs little, where listing what is missing walks the whole world.
+        """
+        return len(self.ranks) == self.world_size and all(
+            rec.state is RankState.DONE for rec in self.ranks.values()
+        )
+
     def missing_ranks(self) -> list[int]:
         """Ranks that have not begun, or have begun but are not done."""
         return [

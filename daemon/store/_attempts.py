@@ -16,6 +16,7 @@ and ``gc`` can find them by step and attempt even without a journal.
 from __future__ import annotations
 
 import os
+import secrets
 import uuid
 from datetime import UTC, datetime
 from typing import Final
@@ -49,7 +50,7 @@ _UNKNOWN: Final = "unknown"
 
 def new_attempt_id() -> str:
     """A fresh attempt id: 16 hex digits, unique across restarts and nodes."""
-    return uuid.uuid4().hex[:16]
+    return secrets.token_hex(8)
 
 
 class Prepared(msgspec.Struct, frozen=True):
