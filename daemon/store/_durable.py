@@ -34,10 +34,7 @@ def write_atomic(path: str, data: bytes, *, sync_dir: bool = True) -> None:
     tmp = f"{path}.{uuid.uuid4().hex}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
+        _write_synced(fd, data)
     except BaseException:
         os.close(fd)
         os.unlink(tmp)
@@ -99,14 +96,18 @@ def stage(directory: str, data: bytes) -> Staged | None:
             return None
         raise
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
+        _write_synced(fd, data)
     except BaseException:
         os.close(fd)
         raise
     return Staged(fd)
+
+
+def _write_synced(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+    os.fsync(fd)
 
 
 @dataclass
