@@ -216,7 +216,13 @@ class SimNode:
         assert self._daemon_args is not None
         roots, args, env = self._daemon_args
         daemon = DaemonProcess(
-            self.socket, roots, *args, state_dir=self.state_dir, env=env, wrap=self.enter()
+            self.socket,
+            roots,
+            *args,
+            state_dir=self.state_dir,
+            env=env,
+            wrap=self.enter(),
+            mount_ns=self.pid,
         )
         self.daemon = daemon
         return daemon.start()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import array
 import atexit
+import ctypes
 import io
 import json
 import os
@@ -174,14 +175,24 @@ class Zygote:
         atexit.register(self.close)
 
     def spawn(
-        self, argv: Sequence[str], env: Mapping[str, str], cwd: str | os.PathLike[str]
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        cwd: str | os.PathLike[str],
+        mount_ns: int | None = None,
     ) -> ForkedProcess:
-        """Fork ``python argv...`` with ``env`` in ``cwd``; stdout and stderr piped."""
+        """Fork ``python argv...`` with ``env`` in ``cwd``; stdout and stderr piped.
+
+        ``mount_ns``: a pid whose mount namespace the child enters first, as ``nsenter
+        -t PID -m`` would (a simulated node's, ``tests/_nodes.py``).
+        """
         read, write = os.pipe()
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.connect(self.socket_path)
-            request = json.dumps({"argv": list(argv), "env": dict(env), "cwd": str(cwd)})
+            request = json.dumps(
+                {"argv": list(argv), "env": dict(env), "cwd": str(cwd), "mount_ns": mount_ns}
+            )
             fds = array.array("i", [write])
             conn.sendmsg([request.encode() + b"\n"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
         except BaseException:
@@ -355,6 +366,8 @@ def _child(request: dict[str, Any], out: int) -> None:
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.set_wakeup_fd(-1)
+        if request.get("mount_ns") is not None:
+            _enter_mount_namespace(int(request["mount_ns"]))
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
@@ -391,6 +404,21 @@ def _child(request: dict[str, Any], out: int) -> None:
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+def _enter_mount_namespace(pid: int) -> None:
+    """``setns(2)`` into ``pid``'s mount namespace (this child has one thread, as it must)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if libc.setns(fd, _CLONE_NEWNS) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into the mount namespace of {pid}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+_CLONE_NEWNS = 0x00020000
 
 
 def _run(argv: list[str]) -> int:

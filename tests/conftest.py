@@ -105,10 +105,14 @@ class DaemonProcess:
         state_dir: Path | None = None,
         env: dict[str, str] | None = None,
         wrap: list[str] | None = None,
+        mount_ns: int | None = None,
     ) -> None:
         self.env = env or {}
         self.wrap = wrap or []
         """A command the daemon runs under (``nsenter ... --``, for a simulated node)."""
+        self.mount_ns = mount_ns
+        """Where ``wrap`` is that ``nsenter -m``: the pid whose mount namespace it enters,
+        so that a daemon forked from the zygote enters it instead."""
         self.socket_path = socket_path
         self.state_dir = state_dir or socket_path.with_name(f"{socket_path.name}.state")
         self.roots = roots
@@ -130,9 +134,11 @@ class DaemonProcess:
         # Forked from a process that imported the daemon once (tests/_zygote.py); run
         # as a command when it runs under another (a node's namespace) or when its
         # environment sets what the daemon reads as it is imported (a crash point).
-        forked = None if self.wrap or _READ_AT_IMPORT & env.keys() else zygote("daemon")
+        plain = not self.wrap or self.mount_ns is not None
+        forked = zygote("daemon") if plain and not _READ_AT_IMPORT & env.keys() else None
         if forked is not None:
-            self.proc = forked.spawn([*cmd[1:], *self.extra], env, REPO)
+            argv = [*cmd[len(self.wrap) + 1 :], *self.extra]
+            self.proc = forked.spawn(argv, env, REPO, mount_ns=self.mount_ns)
         else:
             self.proc = subprocess.Popen(
                 cmd + self.extra,
