@@ -21,12 +21,15 @@ import subprocess
 import time
 from pathlib import Path
 
-__all__ = ["CACHING", "NamespaceMount", "available"]
+__all__ = ["CACHE_S", "CACHING", "PER_NODE_CACHING", "NamespaceMount", "available"]
 
 CACHING = "entry_timeout=1,attr_timeout=1,negative_timeout=1"
 """bindfs options caching like an NFS client, for about a second."""
 CACHE_S = 1.0
 """The cache time those options give."""
+PER_NODE_CACHING = "entry_timeout=1,attr_timeout=1,negative_timeout=0"
+"""The same, keeping no negative entries: many simulated nodes sharing one mount, each
+looking less often than the cache time, as each would on a cache of its own."""
 
 
 def available() -> str | None:
