@@ -406,6 +406,9 @@ def _child(request: dict[str, Any], out: int) -> None:
     os._exit(code)
 
 
+_CLONE_NEWNS = 0x00020000
+
+
 def _enter_mount_namespace(pid: int) -> None:
     """``setns(2)`` into ``pid``'s mount namespace (this child has one thread, as it must)."""
     libc = ctypes.CDLL(None, use_errno=True)
@@ -416,9 +419,6 @@ def _enter_mount_namespace(pid: int) -> None:
             raise OSError(err, f"setns into the mount namespace of {pid}: {os.strerror(err)}")
     finally:
         os.close(fd)
-
-
-_CLONE_NEWNS = 0x00020000
 
 
 def _run(argv: list[str]) -> int:

@@ -90,10 +90,6 @@ def root(tmp_path: Path) -> Path:
     return path
 
 
-_READ_AT_IMPORT = frozenset({"CKPTD_CRASH_AT"})
-"""Environment variables the daemon reads when its modules are imported."""
-
-
 class DaemonProcess:
     """``ckptd serve`` as a real subprocess, with its stdout events readable in order."""
 
@@ -132,10 +128,9 @@ class DaemonProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         env.pop("CKPTD_SOCKET", None)
         # Forked from a process that imported the daemon once (tests/_zygote.py); run
-        # as a command when it runs under another (a node's namespace) or when its
-        # environment sets what the daemon reads as it is imported (a crash point).
+        # as a command when it runs under another command than a node's namespace.
         plain = not self.wrap or self.mount_ns is not None
-        forked = zygote("daemon") if plain and not _READ_AT_IMPORT & env.keys() else None
+        forked = zygote("daemon") if plain else None
         if forked is not None:
             argv = [*cmd[len(self.wrap) + 1 :], *self.extra]
             self.proc = forked.spawn(argv, env, REPO, mount_ns=self.mount_ns)

@@ -47,14 +47,18 @@ NODE_POINTS: Final = ("after_node_marker",)
 """Crash points of a save that spans nodes: after this node's marker is written, before
 it is journaled."""
 
-_spec = os.environ.get("CKPTD_CRASH_AT", "")
-_target, _, _nth = _spec.partition(":")
-_remaining = int(_nth) if _nth.isdigit() else 1
+_target: str | None = None
+"""The configured point, read from the environment at the first crash point reached
+(not at import: a process forked after importing the daemon has its own environment)."""
+_remaining = 1
 
 
 def crash_point(name: str) -> None:
     """Exit immediately (status 137, no cleanup) if ``name`` is the configured point."""
-    global _remaining
+    global _target, _remaining
+    if _target is None:
+        _target, _, nth = os.environ.get("CKPTD_CRASH_AT", "").partition(":")
+        _remaining = int(nth) if nth.isdigit() else 1
     if name != _target:
         return
     _remaining -= 1
