@@ -17,7 +17,7 @@ import re
 import time
 from collections.abc import Collection, Iterable, Mapping
 from datetime import datetime
-from typing import Final, Protocol
+from typing import Final, Protocol, TypeVar
 
 import msgspec
 
@@ -31,6 +31,8 @@ from ._s3commit import Commit
 from ._steps import Found, ManifestCache
 
 __all__ = ["S3Keep"]
+
+_Where = TypeVar("_Where", int, str)
 
 _ATTEMPT: Final = re.compile(r"^[0-9a-f]{16}$")
 _FACTS: Final = ".ckptd/facts"
@@ -214,16 +216,11 @@ class S3Keep:
             try:
                 bucket.delete(commits.commit_name(root, step))  # no reader trusts it now
                 keys = [o.key for o in _objects(bucket, root, step) if _ours(root, step, o.key)]
-                failed = bucket.delete_many(keys)
-                for upload in bucket.uploads(name):
-                    bucket.abort(upload)
             except StoreError as exc:
                 refused[step] = exc.strerror or str(exc)
                 continue
-            if failed:
-                refused[step] = f"{len(failed)} objects could not be deleted"
-                continue
-            moved[step] = name
+            if _delete(bucket, name, keys, refused, step):
+                moved[step] = name
         return moved, refused
 
     def training_info_metrics(self: _Roots, path: str) -> dict[str, float]:
@@ -300,14 +297,20 @@ class S3Keep:
 
 
 def _delete(
-    bucket: Bucket, name: str, keys: list[str], refused: dict[str, str], where: str
-) -> None:
+    bucket: Bucket, name: str, keys: list[str], refused: dict[_Where, str], where: _Where
+) -> bool:
+    """Delete ``keys`` and abort the uploads under ``name``; False if anything failed.
+
+    Why it failed goes in ``refused[where]``.
+    """
     try:
         failed = bucket.delete_many(keys)
         for upload in bucket.uploads(name):
             bucket.abort(upload)
     except StoreError as exc:
         refused[where] = exc.strerror or str(exc)
-        return
+        return False
     if failed:
         refused[where] = f"{len(failed)} objects could not be deleted"
+        return False
+    return True
