@@ -11,6 +11,7 @@ import pytest
 
 from daemon.config._config import RootConfig, load_config
 from daemon.nodes._waker import stretched
+from daemon.store._attempts import encode_marker
 from daemon.store._markers import (
     NodeMarker,
     NodeState,
@@ -21,6 +22,7 @@ from daemon.store._markers import (
     write_verdict,
 )
 from orchestrator.protocol import ATTEMPT_MARKER
+from tests._syscalls import traced
 
 
 def _root(tmp_path: Path) -> RootConfig:
@@ -99,3 +101,119 @@ class TestPollBudget:
         root = load_config(config_file=str(file), env={}).roots[0]
         assert root.poll_budget == 400
         assert stretched(root, 4096) == pytest.approx(4096 / 400)
+
+
+class TestWhatALookCosts:
+    """Counted by strace: the calls by path (each a lookup on the server) a look makes."""
+
+    def test_a_replaced_marker_is_opened_and_measured_through_the_open_file(
+        self, tmp_path: Path
+    ) -> None:
+        root = _root(tmp_path)
+        for node in ("n1", "n2", "n3"):
+            write_marker(root, 1, _marker("done", node=node))
+        code = (
+            "from daemon.config._config import RootConfig\n"
+            "from daemon.store._markers import read_markers\n"
+            f"found = read_markers(RootConfig(path={str(tmp_path)!r}), 1, {{}})\n"
+            "assert sorted(m.node for m in found) == ['n1', 'n2', 'n3'], found\n"
+        )
+        calls = traced(code, tmp_path)
+        for node in ("n1", "n2", "n3"):
+            name = f"tmp_step_1/{marker_name(node)}"
+            assert calls[("open", name)] == 1
+            assert calls[("stat", name)] == 0  # one lookup a marker, not two
+            assert calls[("fstat", name)] == 1
+
+
+class TestWhatAScanCosts:
+    """The leader's verification measures the checkpoint's files, not the node markers."""
+
+    def test_node_markers_are_not_measured(self, tmp_path: Path) -> None:
+        root = _root(tmp_path)
+        tmp = Path(root.tmp_dir(1))
+        for node in ("n1", "n2", "n3"):
+            write_marker(root, 1, _marker("done", node=node))
+        (tmp / "shards").mkdir()
+        (tmp / "shards" / "a.bin").write_bytes(b"a" * 10)
+        (tmp / "b.bin").write_bytes(b"b" * 20)
+        code = (
+            "from daemon.config._config import RootConfig\n"
+            "from daemon.store._verify import scan_save\n"
+            "from orchestrator.protocol import FileEntry\n"
+            f"root = RootConfig(path={str(tmp_path)!r})\n"
+            "m = scan_save(root, 1, 2, {0: (FileEntry('b.bin', 20),)})\n"
+            "assert m.files == {'b.bin': 20, 'shards/a.bin': 10}, m.files\n"
+        )
+        calls = traced(code, tmp_path)
+        assert calls[("stat", "tmp_step_1/b.bin")] == 1
+        assert calls[("stat", "tmp_step_1/shards/a.bin")] == 1
+        for node in ("n1", "n2", "n3"):
+            assert calls[("stat", f"tmp_step_1/{marker_name(node)}")] == 0
+
+
+_FOLLOWER = """
+import anyio, json, os, sys
+from daemon.config._config import Config, RootConfig
+from daemon.server._server import Daemon
+from orchestrator import protocol as p
+
+ROOT, HOME, WORLD = sys.argv[1], sys.argv[2], int(sys.argv[3])
+root = RootConfig(path=ROOT, watch="poll")
+config = Config(socket=os.path.join(HOME, "n1.sock"), roots=(root,), state_dir=HOME,
+                node="n1", node_timeout=3600.0, root_threads=1, lease=3600.0)
+marker = os.path.join(root.tmp_dir(1), ".ckptd-node-n1.json")
+
+def written(state):
+    try:
+        with open(marker) as fh:
+            return json.load(fh)["state"] == state
+    except (OSError, ValueError):
+        return False
+
+async def until(state):
+    with anyio.fail_after(60):
+        while not written(state):
+            await anyio.sleep(0.01)  # the file is the event: no daemon to ask
+
+async def main():
+    daemon = Daemon(config)
+    async with anyio.create_task_group() as group:
+        daemon.nodes.group = daemon.attempt_dirs.group = daemon.promoter.group = group
+        await daemon.dispatch(1, p.Begin(id=1, root=ROOT, step=1, rank=1,
+                                         world_size=WORLD, local_world_size=1))
+        await until("writing")
+        files = [p.FileEntry("rank1.bin", 4096)]
+        await daemon.dispatch(1, p.Done(id=2, root=ROOT, step=1, rank=1, files=files))
+        await until("done")
+        daemon.nodes.close()
+        group.cancel_scope.cancel()
+
+anyio.run(main)
+"""
+
+
+class TestWhatADoneCosts:
+    """A node whose ranks are done reads the leader's verdict, and nothing more, first."""
+
+    def test_a_done_node_looks_only_for_the_verdict_before_its_marker(self, tmp_path: Path) -> None:
+        root = tmp_path / "run"
+        home = tmp_path / "home"
+        root.mkdir()
+        home.mkdir()
+        config = RootConfig(path=str(root))
+        tmp = Path(config.tmp_dir(1))
+        tmp.mkdir()
+        world = 4096  # one rank a node: a node looks for the verdict every 2.7 s
+        (tmp / ATTEMPT_MARKER).write_bytes(encode_marker(config, 1, "a1", world, ""))
+        (tmp / "rank1.bin").write_bytes(b"\0" * 4096)
+        script = tmp_path / "follower.py"
+        script.write_text(_FOLLOWER)
+        code = f"import sys; sys.argv = ['f', {str(root)!r}, {str(home)!r}, '{world}']\n"
+        code += f"exec(open({str(script)!r}).read())\n"
+        calls = traced(code, root)
+        # The watch's first look, from the first begin, is a full one (step_N's
+        # manifest, the attempt's marker); the look before the marker reads the verdict.
+        assert calls[("open", "step_1/.ckptd-manifest.json")] == 1
+        verdicts = [n for (kind, n), k in calls.items() if kind == "open" and "verdicts" in n]
+        assert verdicts, calls

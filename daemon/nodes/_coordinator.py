@@ -174,7 +174,10 @@ class Nodes(Joining):
         with anyio.CancelScope(shield=True):
             # After a restart the step may be settled already (our marker landed
             # before the crash): learn that rather than judge a directory that moved.
-            if await self._learn(root, save):
+            # The verdict alone is read, one lookup: every node of a large job comes
+            # here at once. A directory that moved with no verdict fails the check of
+            # the files below, and that failure looks at everything first.
+            if await self._learn(root, save, full=False):
                 return
             try:
                 problems = await self._run(root, self._storage.check_files, root, key.step, files)

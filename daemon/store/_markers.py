@@ -181,7 +181,8 @@ def read_markers_in(tmp: str, seen: Seen) -> list[NodeMarker]:
     gives, without a stat) is the one last read is that same file, and is neither
     measured nor read again, except an unchanged ``writing`` marker now and then (its
     replacement may hide behind a cached listing; ``open()`` sees through it). The
-    leader's look costs one listing plus a stat and a read per marker that changed.
+    leader's look costs one listing plus an open (measured through the open file) and
+    a read per marker that changed.
     """
     out: list[NodeMarker] = []
     try:
@@ -196,25 +197,35 @@ def read_markers_in(tmp: str, seen: Seen) -> list[NodeMarker]:
             continue
         last = seen.get(entry.name)
         ino = entry.inode()
-        if last is not None and ino not in _UNKNOWN_INO and ino == last[0] and now < last[3]:
+        known = ino not in _UNKNOWN_INO
+        if last is not None and known and ino == last[0] and now < last[3]:
+            continue
+        if not known and last is not None and now < last[3]:
+            # No inode in the listing: a stat tells whether the marker changed.
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if (st.st_ino, st.st_size, st.st_mtime_ns) == last[:3]:
+                continue
+        # Opened first and measured through the open file: one lookup, not two.
+        fd = _open(entry.path)
+        if fd is None:
             continue
         try:
-            st = entry.stat(follow_symlinks=False)
-        except FileNotFoundError:
-            continue
-        if not stat.S_ISREG(st.st_mode):
-            continue
-        tag = (st.st_ino, st.st_size, st.st_mtime_ns)
-        if last is not None and last[:3] == tag and now < last[3]:
-            continue
-        marker = _read(entry.path, NodeMarker)
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            marker = _decode(fd, NodeMarker)
+        finally:
+            os.close(fd)
         if marker is not None:
             # Spread over time, so that the markers of nodes that began together are
             # not all read again in one look.
             again = math.inf
             if marker.state == "writing":
                 again = now + spread * (0.5 + random.random())
-            seen[entry.name] = (*tag, again)
+            seen[entry.name] = (st.st_ino, st.st_size, st.st_mtime_ns, again)
             out.append(marker)
     return out
 
@@ -325,10 +336,25 @@ _T = TypeVar("_T")
 
 def _read(path: str, kind: type[_T]) -> _T | None:
     """``path`` decoded as ``kind``; None if it is missing, unreadable or malformed."""
+    fd = _open(path)
+    if fd is None:
+        return None
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        return _decode(fd, kind)
+    finally:
+        os.close(fd)
+
+
+def _open(path: str) -> int | None:
+    """``path`` opened to read (never following a symlink, never blocking), or None."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return None
+
+
+def _decode(fd: int, kind: type[_T]) -> _T | None:
+    """The open file ``fd`` decoded as ``kind``; None if unreadable or malformed."""
     try:
         chunks: list[bytes] = []
         total = 0
@@ -339,8 +365,6 @@ def _read(path: str, kind: type[_T]) -> _T | None:
                 return None
     except OSError:
         return None
-    finally:
-        os.close(fd)
     try:
         return msgspec.json.decode(b"".join(chunks), type=kind)
     except (msgspec.DecodeError, msgspec.ValidationError):

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Iterator
 from datetime import UTC, datetime
-from typing import Final
+from typing import Final, NoReturn
 
 import msgspec
 
@@ -87,25 +88,29 @@ def scan_save(
         if marker is None or marker.attempt != attempt:
             # Never promote one attempt's ledger over another attempt's files.
             raise VerificationError(f"{tmp} belongs to {owner}, not to attempt {attempt}")
-    for dirpath, dirnames, filenames in os.walk(tmp, topdown=False, onerror=_raise):
+    for dirpath, entries in _walk(tmp):
         rel_dir = os.path.relpath(dirpath, tmp)
         dirs.append(rel_dir)
         has_shards = False
-        for name in (*filenames, *dirnames):
-            path = os.path.join(dirpath, name)
-            rel = os.path.normpath(os.path.join(rel_dir, name))
+        for entry in entries:
+            rel = os.path.normpath(os.path.join(rel_dir, entry.name))
+            if _bookkeeping(rel) and entry.is_file(follow_symlinks=False):
+                # The daemon's own file (a node marker, thousands on a large job): its
+                # kind, which the listing gives, is all that is checked, with no stat.
+                continue
             try:
-                st = os.lstat(path)
+                st = entry.stat(follow_symlinks=False)
             except OSError as exc:  # removed or replaced while the save is scanned
                 problems.append(f"{rel}: changed during verification ({exc.strerror})")
                 continue
             if stat.S_ISLNK(st.st_mode):
-                if not _inside(os.path.realpath(path), real_tmp):
-                    problems.append(f"{rel}: symlink to {os.readlink(path)!r} leaves the save")
+                if not _inside(os.path.realpath(entry.path), real_tmp):
+                    target = os.readlink(entry.path)
+                    problems.append(f"{rel}: symlink to {target!r} leaves the save")
             elif stat.S_ISREG(st.st_mode):
                 if not _bookkeeping(rel):
                     files[rel] = st.st_size
-                has_shards = has_shards or name.endswith(".distcp")
+                has_shards = has_shards or entry.name.endswith(".distcp")
             elif not stat.S_ISDIR(st.st_mode):
                 problems.append(f"{rel}: not a regular file or directory")
         if has_shards:
@@ -206,6 +211,26 @@ def verify_checkpoint(path: str) -> list[str]:
     return problems
 
 
+def _walk(top: str) -> Iterator[tuple[str, list[os.DirEntry[str]]]]:
+    """Each directory under ``top`` (``top`` last, deepest first) with its entries.
+
+    Like ``os.walk(top, topdown=False)``, never following a symlink, but each entry is
+    a :class:`os.DirEntry`, whose kind the listing gives without a stat.
+
+    Raises:
+        VerificationError: a directory cannot be listed.
+    """
+    try:
+        with os.scandir(top) as it:
+            entries = list(it)
+    except OSError as exc:
+        _raise(exc)
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False):
+            yield from _walk(entry.path)
+    yield top, entries
+
+
 def _size(path: str) -> int | None:
     try:
         st = os.lstat(path)
@@ -239,5 +264,5 @@ def _join(rel_dir: str, problem: str) -> str:
     return problem if rel_dir == "." else f"{rel_dir}/{problem}"
 
 
-def _raise(exc: OSError) -> None:
+def _raise(exc: OSError) -> NoReturn:
     raise VerificationError(f"cannot read {exc.filename}: {exc.strerror}") from exc
