@@ -88,29 +88,29 @@ def scan_save(
         if marker is None or marker.attempt != attempt:
             # Never promote one attempt's ledger over another attempt's files.
             raise VerificationError(f"{tmp} belongs to {owner}, not to attempt {attempt}")
-    for dirpath, entries in _walk(tmp):
+    for dirpath, listed in _walk(tmp):
         rel_dir = os.path.relpath(dirpath, tmp)
         dirs.append(rel_dir)
         has_shards = False
-        for entry in entries:
-            rel = os.path.normpath(os.path.join(rel_dir, entry.name))
-            if _bookkeeping(rel) and entry.is_file(follow_symlinks=False):
+        for item in listed:
+            rel = os.path.normpath(os.path.join(rel_dir, item.name))
+            if _bookkeeping(rel) and item.is_file(follow_symlinks=False):
                 # The daemon's own file (a node marker, thousands on a large job): its
                 # kind, which the listing gives, is all that is checked, with no stat.
                 continue
             try:
-                st = entry.stat(follow_symlinks=False)
+                st = item.stat(follow_symlinks=False)
             except OSError as exc:  # removed or replaced while the save is scanned
                 problems.append(f"{rel}: changed during verification ({exc.strerror})")
                 continue
             if stat.S_ISLNK(st.st_mode):
-                if not _inside(os.path.realpath(entry.path), real_tmp):
-                    target = os.readlink(entry.path)
+                if not _inside(os.path.realpath(item.path), real_tmp):
+                    target = os.readlink(item.path)
                     problems.append(f"{rel}: symlink to {target!r} leaves the save")
             elif stat.S_ISREG(st.st_mode):
                 if not _bookkeeping(rel):
                     files[rel] = st.st_size
-                has_shards = has_shards or entry.name.endswith(".distcp")
+                has_shards = has_shards or item.name.endswith(".distcp")
             elif not stat.S_ISDIR(st.st_mode):
                 problems.append(f"{rel}: not a regular file or directory")
         if has_shards:
