@@ -28,7 +28,7 @@ op = st.one_of(
     st.tuples(st.just("span_begin"), st.sampled_from([5, 6]), st.integers(0, 3)),
     st.tuples(st.just("span_done"), st.sampled_from([5, 6]), st.integers(0, 1)),
     st.tuples(st.just("marked"), st.sampled_from([5, 6])),
-    st.tuples(st.just("remote"), st.sampled_from([5, 6]), st.booleans()),
+    st.tuples(st.just("remote"), st.sampled_from([5, 6]), st.booleans(), st.booleans()),
     st.tuples(st.just("learned"), st.sampled_from([5, 6]), st.booleans()),
     st.tuples(st.just("span_rescue"), st.sampled_from([5, 6])),
     st.tuples(st.just("set_aside"), st.sampled_from([0, 1, 5])),
@@ -44,8 +44,10 @@ def _fingerprint(ledger: Ledger) -> dict[SaveKey, Any]:
             save.reason,
             save.path,
             sorted(
-                (r, rec.state, rec.files, rec.reason, rec.node) for r, rec in save.ranks.items()
+                (r, rec.state, rec.files, rec.reason, rec.node, rec.flushed)
+                for r, rec in save.ranks.items()
             ),
+            save.flushed_files(),
             save.local_world_size,
             save.marked,
             save.learned,
@@ -100,13 +102,15 @@ def _run(ops: list[tuple[Any, ...]]) -> tuple[Ledger, list[JournalRecord]]:
                     ledger.done(SaveKey(ROOT, step), rank, files, rank + 1, now)
                 case ("marked", step):
                     ledger.node_marked(SaveKey(ROOT, step), now)
-                case ("remote", step, ok):
+                case ("remote", step, ok, flushed):
                     key = SaveKey(ROOT, step)
                     save = ledger.get(key)
                     attempt = save.attempt if save is not None else ""
                     if ok:
                         node = {2: [FileEntry("r2.bin", 2)], 3: [FileEntry("r3.bin", 3)]}
-                        effects = ledger.remote_done(key, "b", attempt, 2, node, now)
+                        effects = ledger.remote_done(
+                            key, "b", attempt, 2, node, now, flushed=flushed
+                        )
                         verifying |= {e.key for e in effects if isinstance(e, Verify)}
                     else:
                         ledger.remote_failed(key, "b", attempt, "oom", now)

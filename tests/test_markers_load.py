@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from pathlib import Path
 
 import msgspec
@@ -217,3 +218,85 @@ class TestWhatADoneCosts:
         assert calls[("open", "step_1/.ckptd-manifest.json")] == 1
         verdicts = [n for (kind, n), k in calls.items() if kind == "open" and "verdicts" in n]
         assert verdicts, calls
+
+
+_LEADER = """
+import anyio, json, os, sys
+from daemon.config._config import Config, RootConfig
+from daemon.server._server import Daemon
+from daemon.store._markers import NodeMarker, write_marker
+from orchestrator import protocol as p
+
+ROOT, HOME, FLUSHED = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+root = RootConfig(path=ROOT, watch="poll")
+config = Config(socket=os.path.join(HOME, "n0.sock"), roots=(root,), state_dir=HOME,
+                node="n0", node_timeout=3600.0, root_threads=1, lease=3600.0)
+
+async def main():
+    daemon = Daemon(config)
+    async with anyio.create_task_group() as group:
+        daemon.nodes.group = daemon.attempt_dirs.group = daemon.promoter.group = group
+        begin = p.Begin(id=1, root=ROOT, step=1, rank=0, world_size=2, local_world_size=1)
+        await daemon.dispatch(1, begin)
+        tmp = root.tmp_dir(1)
+        with open(os.path.join(tmp, ".ckptd-attempt")) as fh:
+            attempt = json.load(fh)["attempt"]
+        os.chdir(tmp)  # the ranks' writes, by relative paths: not counted as the daemon's
+        for rank in (0, 1):
+            with open(f"rank{rank}.bin", "wb") as fh:
+                fh.write(bytes(4096))
+        # Node n1's word, in the format and by the function its daemon writes it with.
+        files = {"1": [p.FileEntry("rank1.bin", 4096)]}
+        marker = NodeMarker(node="n1", attempt=attempt, step=1, world_size=2,
+                            local_world_size=1, state="done", files=files, flushed=FLUSHED)
+        write_marker(root, 1, marker)
+        done = p.Done(id=2, root=ROOT, step=1, rank=0, files=[p.FileEntry("rank0.bin", 4096)])
+        await daemon.dispatch(1, done)
+        reply = await daemon.settled(p.Wait(id=3, root=ROOT, step=1, timeout=60.0), root)
+        assert reply.state == "promoted", reply
+        daemon.nodes.close()
+        group.cancel_scope.cancel()
+
+anyio.run(main)
+"""
+
+
+class TestWhatAPromotionCosts:
+    """The leader flushes what its own ranks wrote; another node flushed its own."""
+
+    def _promote(self, tmp_path: Path, *, flushed: bool) -> Counter[tuple[str, str]]:
+        root = tmp_path / "run"
+        home = tmp_path / "home"
+        root.mkdir()
+        home.mkdir()
+        script = tmp_path / "leader.py"
+        script.write_text(_LEADER)
+        argv = ["l", str(root), str(home), "1" if flushed else "0"]
+        code = f"import sys; sys.argv = {argv!r}\nexec(open({str(script)!r}).read())\n"
+        return traced(code, root)
+
+    def test_a_node_flushes_the_files_it_checks(self, tmp_path: Path) -> None:
+        root = _root(tmp_path)
+        (Path(root.tmp_dir(1)) / "w.bin").write_bytes(b"w" * 10)
+        code = (
+            "from daemon.config._config import RootConfig\n"
+            "from daemon.store._markers import check_files\n"
+            "from orchestrator.protocol import FileEntry\n"
+            f"root = RootConfig(path={str(tmp_path)!r})\n"
+            "assert check_files(root, 1, {1: [FileEntry('w.bin', 10)]}) == []\n"
+        )
+        calls = traced(code, tmp_path)
+        assert calls[("fsync", "tmp_step_1/w.bin")] == 1
+        assert calls[("open", "tmp_step_1/w.bin")] == 1
+
+    def test_files_their_node_flushed_are_not_flushed_again(self, tmp_path: Path) -> None:
+        calls = self._promote(tmp_path, flushed=True)
+        assert calls[("fsync", "step_1/rank0.bin")] + calls[("fsync", "tmp_step_1/rank0.bin")] == 1
+        assert calls[("open", "tmp_step_1/rank1.bin")] == 0
+        assert calls[("fsync", "tmp_step_1/rank1.bin")] == 0
+
+    def test_a_marker_that_does_not_say_flushed_is_flushed_by_the_leader(
+        self, tmp_path: Path
+    ) -> None:
+        calls = self._promote(tmp_path, flushed=False)  # a node of an older daemon
+        assert calls[("fsync", "tmp_step_1/rank1.bin")] == 1

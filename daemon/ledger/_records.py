@@ -145,6 +145,8 @@ class JRemote(_Record, frozen=True, tag="m"):
     files: list[list[FileEntry]]
     """The files of each rank in ``ranks``, in the same order."""
     at: float
+    flushed: bool = False
+    """The node flushed those files before its marker (the leader need not)."""
 
 
 class JLearned(_Record, frozen=True, tag="l"):

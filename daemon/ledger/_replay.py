@@ -67,7 +67,7 @@ class Replayable(Protocol):
 
     def remote_done(
         self, key: SaveKey, node: str, attempt: str, local_world_size: int,
-        files: Mapping[int, Sequence[FileEntry]], now: float,
+        files: Mapping[int, Sequence[FileEntry]], now: float, *, flushed: bool = False,
     ) -> Any: ...  # fmt: skip
 
     def learned(
@@ -117,8 +117,16 @@ def replay(ledger: Replayable, record: JournalRecord, now: float) -> None:
             ledger.forget(key)
         case JNodeMarked():
             ledger.node_marked(key, now)
-        case JRemote(node=node, attempt=attempt, local_world_size=lws, ranks=ranks, files=files):
-            ledger.remote_done(key, node, attempt, lws, dict(zip(ranks, files, strict=True)), now)
+        case JRemote(
+            node=node,
+            attempt=attempt,
+            local_world_size=lws,
+            ranks=ranks,
+            files=files,
+            flushed=flushed,
+        ):
+            by_rank = dict(zip(ranks, files, strict=True))
+            ledger.remote_done(key, node, attempt, lws, by_rank, now, flushed=flushed)
         case JLearned(attempt=attempt, promoted=promoted, detail=detail):
             ledger.learned(key, attempt, promoted=promoted, detail=detail, now=now)
 
@@ -190,7 +198,10 @@ def _remote_records(save: SaveRecord) -> list[JournalRecord]:
             nodes.setdefault(rec.node, []).append(rank)
     for node, ranks in nodes.items():
         files = [list(save.ranks[r].files) for r in ranks]
+        flushed = all(save.ranks[r].flushed for r in ranks)
         out.append(
-            JRemote(root, step, node, save.attempt, len(ranks), ranks, files, save.first_begin)
+            JRemote(
+                root, step, node, save.attempt, len(ranks), ranks, files, save.first_begin, flushed
+            )
         )
     return out

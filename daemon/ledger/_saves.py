@@ -7,6 +7,7 @@ waiters.
 
 from __future__ import annotations
 
+import posixpath
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -125,6 +126,8 @@ class RankRecord:
     reason: str | None = None
     node: str | None = None
     """The node whose marker reported this rank (on the leader); None: a local rank."""
+    flushed: bool = False
+    """A remote rank whose node flushed its files before its marker."""
 
 
 @dataclass(slots=True)
@@ -211,6 +214,20 @@ class SaveRecord:
     def reported_files(self) -> dict[int, tuple[FileEntry, ...]]:
         """The files each rank listed in its ``done``."""
         return {rank: rec.files for rank, rec in sorted(self.ranks.items())}
+
+    def flushed_files(self) -> frozenset[str]:
+        """The files, relative to the save's directory, flushed by the nodes that wrote them.
+
+        Another node's, when its marker says so; this node's own, once its marker is
+        durable (its files were flushed before it was written).
+        """
+        own = self.spans and self.marked
+        return frozenset(
+            posixpath.normpath(entry.path)
+            for rec in self.ranks.values()
+            if rec.flushed or (own and rec.node is None)
+            for entry in rec.files
+        )
 
 
 def ids(key: SaveKey, rank: int) -> dict[str, Any]:

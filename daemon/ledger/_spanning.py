@@ -141,8 +141,12 @@ class SpanningLedger:
         local_world_size: int,
         files: Mapping[int, Sequence[FileEntry]],
         now: float,
+        *,
+        flushed: bool = False,
     ) -> list[Effect]:
         """The leader read node ``node``'s marker: its ranks are done with ``files``.
+
+        ``flushed``: the node flushed those files (the promotion need not).
 
         A marker of another attempt is ignored (a zombie's). A marker that contradicts the
         others (a rank claimed twice, a rank out of range, node sizes that cannot add up
@@ -172,13 +176,19 @@ class SpanningLedger:
                 sorted(files),
                 [list(files[r]) for r in sorted(files)],
                 now,
+                flushed,
             )
         )
         problem = self._contradiction(save, node, local_world_size, files)
         for rank, entries in files.items():
             if rank not in save.ranks and 0 <= rank < save.world_size:
                 save.ranks[rank] = RankRecord(
-                    state=RankState.DONE, begun_at=now, conn=None, files=tuple(entries), node=node
+                    state=RankState.DONE,
+                    begun_at=now,
+                    conn=None,
+                    files=tuple(entries),
+                    node=node,
+                    flushed=flushed,
                 )
                 save.remote += 1
         if save.state is not SaveState.OPEN:

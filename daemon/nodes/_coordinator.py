@@ -188,7 +188,7 @@ class Nodes(Joining):
                 reason = f"node {self.node}: " + "; ".join(problems[:8])
                 await self._fail_here(root, save, reason)
                 return
-            marker = marker_for(save, self.node, "done")
+            marker = marker_for(save, self.node, "done", flushed=True)
             try:
                 async with self._lock(key):
                     await self._run(root, self._storage.write_marker, root, key.step, marker)
@@ -265,7 +265,13 @@ class Nodes(Joining):
                         continue  # our own, or a zombie's
                     if marker.state == "done":
                         effects += daemon.ledger.remote_done(
-                            key, marker.node, attempt, marker.local_world_size, marker.ranks(), now
+                            key,
+                            marker.node,
+                            attempt,
+                            marker.local_world_size,
+                            marker.ranks(),
+                            now,
+                            flushed=marker.flushed,
                         )
                     elif marker.state == "failed":
                         effects += daemon.ledger.remote_failed(

@@ -154,6 +154,7 @@ class Promoter:
                     fence,
                     source,
                     unmarked,
+                    save.flushed_files(),
                 )
         except ClaimedError as exc:
             daemon.events.emit(
@@ -233,6 +234,7 @@ def _verify_and_promote(
     fence: tuple[str, str] | None = None,
     source: str | None = None,
     unmarked: OSError | None = None,
+    flushed: frozenset[str] = frozenset(),
 ) -> tuple[Manifest, Promotion]:
     """Verify ``tmp_step_N``, then promote it (blocking; one worker thread for both).
 
@@ -241,7 +243,8 @@ def _verify_and_promote(
     (node, attempt), the step is claimed first, and the claim dropped if it fails
     verification. ``source`` is the directory to promote if not ``tmp_step_N`` (a
     rescued attempt's, in the trash). ``unmarked``: why the save's node marker could
-    not be written; it fails the save once verification passes.
+    not be written; it fails the save once verification passes. ``flushed``: files
+    other nodes flushed before their markers, not flushed again.
 
     Raises:
         ClaimedError: another node holds the claim.
@@ -274,5 +277,6 @@ def _verify_and_promote(
         expect=identity,
         pointer_node=node,
         source=source,
+        flushed=flushed,
     )
     return manifest, done

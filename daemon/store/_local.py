@@ -147,6 +147,7 @@ class LocalStorage:
         expect: tuple[int, int] | None = None,
         pointer_node: str | None = None,
         source: str | None = None,
+        flushed: Collection[str] = frozenset(),
     ) -> Promotion:
         """See :func:`daemon.store._promote.promote`."""
         return _promote.promote(
@@ -158,6 +159,7 @@ class LocalStorage:
             expect=expect,
             pointer_node=pointer_node,
             source=source,
+            flushed=flushed,
         )
 
     def finish(self, root: RootConfig, step: int, pointer_node: str | None = None) -> Promotion:

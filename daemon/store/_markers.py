@@ -87,6 +87,9 @@ class NodeMarker(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """Why it failed (``failed``)."""
     written: str = ""
     """When (ISO 8601, UTC)."""
+    flushed: bool = False
+    """``done``: the node flushed its ranks' files before writing this marker, so the
+    leader need not (False in a marker from before nodes did)."""
 
     def ranks(self) -> dict[int, list[FileEntry]]:
         """The done ranks and their files."""
@@ -231,9 +234,11 @@ def read_markers_in(tmp: str, seen: Seen) -> list[NodeMarker]:
 
 
 def check_files(root: RootConfig, step: int, files: Mapping[int, Sequence[FileEntry]]) -> list[str]:
-    """Problems with the files this node's ranks reported: missing, or short.
+    """Problems with the files this node's ranks reported: missing, short, or unflushed.
 
-    Each file is opened (which revalidates a cached entry on NFS) and measured.
+    Each file is opened (which revalidates a cached entry on NFS), measured through the
+    open file and flushed: on the machine that wrote it, whose client holds whatever of
+    it is not yet on the server, so that the leader need not flush it again.
     """
     tmp = root.tmp_dir(step)
     problems: list[str] = []
@@ -247,6 +252,11 @@ def check_files(root: RootConfig, step: int, files: Mapping[int, Sequence[FileEn
                 continue
             try:
                 size = os.fstat(fd).st_size
+                if size >= entry.size:
+                    os.fsync(fd)
+            except OSError as exc:
+                problems.append(f"{entry.path}: cannot be flushed: {exc.strerror or exc}")
+                continue
             finally:
                 os.close(fd)
             if size < entry.size:
@@ -371,8 +381,13 @@ def _decode(fd: int, kind: type[_T]) -> _T | None:
         return None
 
 
-def marker_for(save: SaveRecord, node: str, state: NodeState, reason: str = "") -> NodeMarker:
-    """This node's marker for ``save`` in ``state`` (its local ranks' files once done)."""
+def marker_for(
+    save: SaveRecord, node: str, state: NodeState, reason: str = "", *, flushed: bool = False
+) -> NodeMarker:
+    """This node's marker for ``save`` in ``state`` (its local ranks' files once done).
+
+    ``flushed``: those files were flushed here (:func:`check_files`).
+    """
     files = {}
     if state == "done":
         files = {str(r): list(save.ranks[r].files) for r in sorted(save.local_ranks())}
@@ -386,6 +401,7 @@ def marker_for(save: SaveRecord, node: str, state: NodeState, reason: str = "") 
         files=files,
         reason=reason,
         written=now_iso(),
+        flushed=flushed,
     )
 
 

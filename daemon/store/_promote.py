@@ -12,7 +12,7 @@ import errno
 import os
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Final, Protocol
@@ -93,6 +93,7 @@ def promote(
     expect: tuple[int, int] | None = None,
     pointer_node: str | None = None,
     source: str | None = None,
+    flushed: Collection[str] = frozenset(),
 ) -> Promotion:
     """Make step ``step`` of ``root`` a checkpoint. Call only after verification.
 
@@ -119,6 +120,8 @@ def promote(
             under the root's pointer lock (:func:`daemon.store._fence.pointer_lock`).
         source: The directory to promote, if not ``tmp_step_N``: a failed attempt's,
             rescued from where it was set aside in the root's trash.
+        flushed: Files of the manifest (relative) that the nodes whose ranks wrote them
+            flushed before their markers: not flushed again. Every directory is.
 
     Returns:
         Where the checkpoint is and whether the pointer moved. A pointer that cannot be
@@ -133,7 +136,8 @@ def promote(
     tmp, final = source or root.tmp_dir(step), root.final_dir(step)
     # Files and subdirectories are independent: flush them side by side (the disk
     # queues them together) while the intent is journaled and the manifest written.
-    queue = deque((os.path.join(tmp, rel), False) for rel in manifest.files)
+    skip = frozenset(flushed)
+    queue = deque((os.path.join(tmp, rel), False) for rel in manifest.files if rel not in skip)
     queue.extend((os.path.join(tmp, rel), True) for rel in manifest.dirs if rel != ".")
     workers, pool = min(_FSYNC_WORKERS, len(queue)), _fsync_pool()
     flushes = [pool.submit(_drain, storage, queue) for _ in range(workers)]

@@ -102,6 +102,7 @@ class RoutedStorage:
         expect: tuple[int, int] | None = None,
         pointer_node: str | None = None,
         source: str | None = None,
+        flushed: Collection[str] = frozenset(),
     ) -> Promotion:
         """See :meth:`daemon.store._storage.Storage.promote`."""
         return self._for(root).promote(
@@ -112,6 +113,7 @@ class RoutedStorage:
             expect=expect,
             pointer_node=pointer_node,
             source=source,
+            flushed=flushed,
         )
 
     def finish(self, root: RootConfig, step: int, pointer_node: str | None = None) -> Promotion:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import errno
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from datetime import UTC, datetime
 
 import msgspec
@@ -200,8 +200,11 @@ class S3Storage(S3Keep, S3Nodes):
         expect: tuple[int, int] | None = None,
         pointer_node: str | None = None,
         source: str | None = None,
+        flushed: Collection[str] = frozenset(),
     ) -> Promotion:
         """Journal the intent, write the commit object create-only, move ``latest``.
+
+        ``flushed`` is not needed: every object is durable once stored.
 
         Raises:
             PromotionError: another attempt's commit object is there (the step is that

@@ -83,8 +83,12 @@ class Storage(Protocol):
         expect: tuple[int, int] | None = None,
         pointer_node: str | None = None,
         source: str | None = None,
+        flushed: Collection[str] = frozenset(),
     ) -> Promotion:
         """Make the verified step a checkpoint, durably, and move the pointer.
+
+        ``flushed``: files (relative to the save's directory) other nodes flushed
+        before their markers, which need no flush here.
 
         Raises:
             PromotionError: nothing became visible, or what did was undone.
@@ -225,7 +229,11 @@ class Storage(Protocol):
     def check_files(
         self, root: RootConfig, step: int, files: Mapping[int, Sequence[FileEntry]]
     ) -> list[str]:
-        """What is wrong with this node's reported files on disk (empty: nothing)."""
+        """What is wrong with this node's reported files on disk (empty: nothing).
+
+        Files found whole are durable when it returns (a local or shared root flushes
+        each; an object is durable once stored), which this node's marker then says.
+        """
         ...
 
     def write_verdict(
