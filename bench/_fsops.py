@@ -11,7 +11,7 @@ send for them, per time window:
 |---|---|
 | ``openat`` | LOOKUP, and OPEN when it succeeds (CREATE too with ``O_CREAT``) |
 | ``newfstatat``, ``statx``, ``lstat``, ``stat`` | LOOKUP, GETATTR |
-| ``fstat`` | GETATTR |
+| ``fstat``, or any of those on an open file (``AT_EMPTY_PATH``) | GETATTR |
 | ``getdents64`` returning entries | READDIR |
 | ``read`` returning data | READ |
 | ``rename*`` | LOOKUP, RENAME |
@@ -75,8 +75,12 @@ _EVENTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("sys_enter_openat", "", ("LOOKUP",)),
     ("sys_exit_openat", "ret >= 0", ("OPEN",)),
     ("sys_enter_openat", "flags & 64", ("CREATE",)),  # O_CREAT
-    ("sys_enter_newfstatat", "", ("LOOKUP", "GETATTR")),
-    ("sys_enter_statx", "", ("LOOKUP", "GETATTR")),
+    # An open file's attributes (``fstat``, which glibc makes ``AT_EMPTY_PATH``) need no
+    # lookup; a path's do.
+    ("sys_enter_newfstatat", "!(flag & 4096)", ("LOOKUP", "GETATTR")),
+    ("sys_enter_newfstatat", "flag & 4096", ("GETATTR",)),
+    ("sys_enter_statx", "!(flags & 4096)", ("LOOKUP", "GETATTR")),
+    ("sys_enter_statx", "flags & 4096", ("GETATTR",)),
     ("sys_enter_newfstat", "", ("GETATTR",)),
     ("sys_exit_getdents64", "ret > 0", ("READDIR",)),
     ("sys_enter_rename", "", ("LOOKUP", "RENAME")),
@@ -189,6 +193,8 @@ def _ops(name: str, args: str, ret: int, flags_create: bool) -> list[str]:
             return ["LOOKUP"]
         return ["LOOKUP", "OPEN", "CREATE"] if flags_create else ["LOOKUP", "OPEN"]
     if name in ("newfstatat", "statx", "lstat", "stat"):
+        if "AT_EMPTY_PATH" in args:
+            return ["GETATTR"]  # an open file's: no lookup
         return ["LOOKUP"] if ret < 0 else ["LOOKUP", "GETATTR"]
     if name == "fstat":
         return ["GETATTR"]

@@ -14,6 +14,11 @@ Driven by ``bench/scale.py`` over stdin and stdout, one JSON object a line::
     {"op": "quit"}
 
     python -m bench._scale_nodes --root ROOT --nodes 4096 --ranks 8 [--poll-budget B]
+        [--shard I/K]
+
+With ``--shard I/K`` this process runs nodes ``1 + I``, ``1 + I + K``, ... only: ``K``
+such processes share the job's nodes (and the machine's cores, as real nodes have
+their own).
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ _FILE_SIZE = 4096
 
 
 class _Nodes:
-    """Nodes 1..n-1 of a job of ``n`` nodes, ``ranks`` ranks each, on one root."""
+    """Nodes 1..n-1 (or one shard of them) of a job of ``n`` nodes, ``ranks`` ranks each."""
 
     def __init__(self, args: argparse.Namespace, home: str) -> None:
         self.root = RootConfig(
@@ -55,7 +60,10 @@ class _Nodes:
         self.world: int = args.nodes * args.ranks
         self.errors: list[dict[str, Any]] = []
         self.daemons: list[Daemon] = []
-        for i in range(1, args.nodes):
+        first, every = (int(x) for x in args.shard.split("/"))
+        self.numbers = list(range(1 + first, args.nodes, every))
+        """Each daemon's node number, in the order of :attr:`daemons`."""
+        for i in self.numbers:
             config = Config(
                 socket=os.path.join(home, f"n{i}.sock"),
                 roots=(self.root,),
@@ -80,9 +88,9 @@ class _Nodes:
     async def begin(self, step: int) -> dict[str, Any]:
         """Every rank of every simulated node begins ``step`` (each node joins the leader's)."""
 
-        async def one(i: int, daemon: Daemon) -> None:
+        async def one(node: int, daemon: Daemon) -> None:
             for local in range(self.ranks):
-                rank = self._rank(i + 1, local)
+                rank = self._rank(node, local)
                 request = p.Begin(
                     id=next(self._ids),
                     root=self.root.path,
@@ -94,8 +102,8 @@ class _Nodes:
                 await daemon.dispatch(rank + 1, request)
 
         async with anyio.create_task_group() as tg:
-            for i, daemon in enumerate(self.daemons):
-                tg.start_soon(one, i, daemon)
+            for node, daemon in zip(self.numbers, self.daemons, strict=True):
+                tg.start_soon(one, node, daemon)
         return {"ok": True, "t": time.time(), "errors": self.errors[-5:]}
 
     async def done(self, step: int) -> dict[str, Any]:
@@ -112,9 +120,9 @@ class _Nodes:
         async with anyio.create_task_group() as tg:
             for i, daemon in enumerate(self.daemons):
                 tg.start_soon(settle, i, daemon)
-            for i, daemon in enumerate(self.daemons):
+            for node, daemon in zip(self.numbers, self.daemons, strict=True):
                 for local in range(self.ranks):
-                    rank = self._rank(i + 1, local)
+                    rank = self._rank(node, local)
                     files = [p.FileEntry(f"rank{rank}.bin", _FILE_SIZE)] if local == 0 else []
                     request = p.Done(
                         id=next(self._ids), root=self.root.path, step=step, rank=rank, files=files
@@ -166,6 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--poll-interval", type=float, default=0.25)
     parser.add_argument("--poll-budget", type=float, default=1500.0)
+    parser.add_argument("--shard", default="0/1", help="I/K: every K-th node from node 1 + I")
     args = parser.parse_args(argv)
     # Thousands of lanes, each with a thread while it has work: keep their stacks small.
     threading.stack_size(512 * 1024)

@@ -37,6 +37,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -82,6 +83,9 @@ LISTED_BYTES = 48
 STRACE_NODES = 256
 """Up to this many nodes the simulated nodes are counted by strace too, as a check of
 the kernel's counters; beyond, strace's stops would slow them too much."""
+SHARDS = 2
+"""Processes the simulated nodes of a job larger than :data:`STRACE_NODES` are split
+over: one Python process runs on one core at a time, and real nodes have their own."""
 LEADER_FLOOR_S = 0.1
 """The leader's part is counted as at least this long when its growth is judged."""
 GOAL_OPS = 2000.0
@@ -131,7 +135,13 @@ class _Job:
     """The leader daemon, its ranks, and the simulated nodes' process, on one root."""
 
     def __init__(
-        self, stack: ExitStack, work: Path, n: int, fs: str, ranks: int, counters: _fsops.Counters
+        self,
+        stack: ExitStack,
+        work: Path,
+        n: int,
+        fs: str,
+        ranks: int,
+        counters: list[_fsops.Counters],
     ) -> None:
         self.n, self.ranks, self.fs = n, ranks, fs
         wrap_leader: list[str] = []
@@ -174,47 +184,67 @@ class _Job:
             stack.callback(line.close)
         nodes_home = work / "sim"
         nodes_home.mkdir()
-        cmd = [*wrap_nodes, *counters.prefix, sys.executable, "-m", "bench._scale_nodes"]
-        cmd += ["--root", str(self.root)]
-        cmd += ["--home", str(nodes_home), "--nodes", str(n), "--ranks", str(ranks)]
-        cmd += ["--poll-interval", str(POLL_S), "--poll-budget", str(BUDGET)]
         env = {**os.environ, "PYTHONPATH": str(REPO)}
-        counters.started = time.time()
-        self.sim = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=REPO, text=True
-        )
+        self.sims: list[subprocess.Popen[str]] = []
+        """The simulated nodes' processes, one for each of ``counters``."""
         stack.callback(self.close_nodes)
-        self._ask_ready()
+        for shard, counter in enumerate(counters):
+            cmd = [*wrap_nodes, *counter.prefix, sys.executable, "-m", "bench._scale_nodes"]
+            cmd += ["--root", str(self.root), "--shard", f"{shard}/{len(counters)}"]
+            cmd += ["--home", str(nodes_home), "--nodes", str(n), "--ranks", str(ranks)]
+            cmd += ["--poll-interval", str(POLL_S), "--poll-budget", str(BUDGET)]
+            counter.started = time.time()
+            self.sims.append(
+                subprocess.Popen(
+                    cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=REPO, text=True
+                )
+            )
+        for sim in self.sims:
+            self._read(sim)  # each is ready
 
-    def _ask_ready(self) -> None:
-        assert self.sim.stdout is not None
-        line = self.sim.stdout.readline()
+    @staticmethod
+    def _read(sim: subprocess.Popen[str]) -> dict[str, Any]:
+        assert sim.stdout is not None
+        line = sim.stdout.readline()
         if not line:
-            raise RuntimeError(f"the simulated nodes exited ({self.sim.wait()})")
-        json.loads(line)
-
-    def _ask(self, op: str, step: int) -> dict[str, Any]:
-        assert self.sim.stdin is not None and self.sim.stdout is not None
-        self.sim.stdin.write(json.dumps({"op": op, "step": step}) + "\n")
-        self.sim.stdin.flush()
-        line = self.sim.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the simulated nodes exited ({self.sim.wait()})")
+            raise RuntimeError(f"the simulated nodes exited ({sim.wait()})")
         reply: dict[str, Any] = json.loads(line)
         if reply.get("errors"):
             raise RuntimeError(f"a simulated node reported: {reply['errors']}")
         return reply
 
+    def _ask(self, op: str, step: int) -> dict[str, Any]:
+        """Send ``op`` to every simulated nodes' process at once; their replies, merged."""
+        for sim in self.sims:
+            assert sim.stdin is not None
+            sim.stdin.write(json.dumps({"op": op, "step": step}) + "\n")
+            sim.stdin.flush()
+        replies = [self._read(sim) for sim in self.sims]
+        merged: dict[str, Any] = {"ok": True, "t": max(r.get("t", 0.0) for r in replies)}
+        if op == "done":
+            merged["t_done"] = max(r["t_done"] for r in replies)
+            merged["learned"] = [t for r in replies for t in r["learned"]]
+            states: dict[str, int] = {}
+            for r in replies:
+                for state, k in r["states"].items():
+                    states[state] = states.get(state, 0) + k
+            merged["states"] = states
+        return merged
+
     def close_nodes(self) -> None:
-        """End the simulated nodes' process (again: nothing)."""
-        assert self.sim.stdin is not None and self.sim.stdout is not None
-        self.sim.stdin.close()  # the simulated nodes stop at the end of their input
-        try:
-            self.sim.wait(timeout=60.0)
-        except subprocess.TimeoutExpired:
-            self.sim.kill()
-            self.sim.wait()
-        self.sim.stdout.close()
+        """End the simulated nodes' processes (again: nothing)."""
+        for sim in self.sims:
+            assert sim.stdin is not None and sim.stdout is not None
+            if not sim.stdin.closed:
+                sim.stdin.close()  # the simulated nodes stop at the end of their input
+        for sim in self.sims:
+            assert sim.stdout is not None
+            try:
+                sim.wait(timeout=60.0)
+            except subprocess.TimeoutExpired:
+                sim.kill()
+                sim.wait()
+            sim.stdout.close()
 
     def _all(self, sends: list[tuple[_Line, str, dict[str, Any]]]) -> None:
         ids = [(conn, conn.send(op, **fields)) for conn, op, fields in sends]
@@ -319,11 +349,12 @@ def _measure(
     """One job of ``n`` nodes: the first step counted under strace, the rest timed."""
     with ExitStack() as stack:
         work = stack.enter_context(_scratch())
-        counters = _fsops.Counters(work / "nodes.perf")
+        shards = 1 if n <= STRACE_NODES else SHARDS
+        counters = [_fsops.Counters(work / f"nodes{i}.perf") for i in range(shards)]
         job = _Job(stack, work, n, fs, ranks, counters)
         tracers = {"leader": _fsops.Tracer([job.leader.pid], work / "leader.strace")}
         if n <= STRACE_NODES:
-            nodes_pid = _child(job.sim.pid)
+            nodes_pid = _child(job.sims[0].pid)
             tracers["nodes"] = _fsops.Tracer([nodes_pid], work / "nodes.strace")
         try:
             counted = job.step(1, wait_s, idle_s)
@@ -341,8 +372,11 @@ def _measure(
         under = [str(job.root), str(job.backing)]
         by = {who: _fsops.count(t.out, under, windows) for who, t in tracers.items()}
         timed = [job.step(2 + i, wait_s, idle_s) for i in range(reps)]
-        job.close_nodes()  # perf writes its last counts as the nodes' process ends
-        kernel = counters.count(windows)
+        job.close_nodes()  # perf writes its last counts as the nodes' processes end
+        kernel = {w: Counter[str]() for w in windows}
+        for counter in counters:
+            for w, found in counter.count(windows).items():
+                kernel[w].update(found)
     ops = {w: by["leader"][w] + kernel[w] for w in windows}
     seconds = {k: max(b - a, 1e-9) for k, (a, b) in windows.items()}
     return {
