@@ -118,9 +118,10 @@ def model(
 
     # The leader: a listing every poll interval (a lookup and an open of the directory,
     # a READDIR per 32 KiB of entries), and while other nodes write, their unchanged
-    # markers read again (a stat and an open, each with its lookup) at a bounded rate.
+    # markers read again (an open with its lookup, the attributes through the open
+    # file) at a bounded rate.
     listing = (2.0 + math.ceil(nodes * LISTED_BYTES / 32768)) / poll
-    rereads = 4.0 * min(REREADS_PER_S, others / WRITING_REREAD)
+    rereads = 3.0 * min(REREADS_PER_S, others / WRITING_REREAD)
     return {
         "interval": interval,
         "writing_ops": rate(writing) + listing + rereads,

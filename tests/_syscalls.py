@@ -28,7 +28,11 @@ from tests._system import require_tool
 __all__ = ["traced"]
 
 _CALLS = "openat,newfstatat,statx,lstat,stat,fstat,fsync,fdatasync,rename,renameat,renameat2"
-_LINE = re.compile(r"^(?:\d+\s+)?(?P<name>\w+)\((?P<args>.*)\)\s+=\s+(?P<ret>-?\d+)")
+_LINE = re.compile(
+    r"^(?:\d+\s+)?(?P<name>\w+)\((?P<args>.*?)(?:\)\s+=\s+-?\d+.*| <unfinished \.\.\.>)$"
+)
+"""A call, finished or (another thread's call logged meanwhile) begun: each counted once,
+at its beginning; ``<... resumed>`` lines match nothing."""
 _QUOTED = re.compile(r'"(?P<path>[^"]+)"')
 _FD = re.compile(r"\d+<(?P<path>[^>]*)>")
 _KINDS = {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from daemon.config._config import RootConfig, load_config
 from daemon.nodes._waker import stretched
 from daemon.store._attempts import encode_marker
 from daemon.store._markers import (
+    REREADS_PER_S,
     NodeMarker,
     NodeState,
     marker_name,
@@ -64,6 +66,22 @@ class TestLeadersLook:
         found = sorted((m.node, m.state) for m in read_markers(root, 1, seen))
         assert found == [("n1", "done"), ("n2", "done")]
         assert read_markers(root, 1, seen) == []
+
+    def test_markers_first_read_together_are_read_again_no_faster_than_the_bound(
+        self, tmp_path: Path
+    ) -> None:
+        root = _root(tmp_path)
+        nodes = 100
+        for i in range(nodes):
+            write_marker(root, 1, _marker("writing", node=f"n{i}"), durable=False)
+        seen: dict[str, tuple[int, int, int, float]] = {}
+        before = time.monotonic()
+        assert len(read_markers(root, 1, seen)) == nodes
+        # All read in the first look: their reads again are spread over the time that
+        # keeps them at REREADS_PER_S a second, not due together a second later.
+        spread = nodes / REREADS_PER_S
+        assert min(last[3] for last in seen.values()) >= before + 0.5 * spread
+        assert max(last[3] for last in seen.values()) <= time.monotonic() + 1.5 * spread
 
 
 class TestWaitingNodesLook:

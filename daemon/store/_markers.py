@@ -192,9 +192,8 @@ def read_markers_in(tmp: str, seen: Seen) -> list[NodeMarker]:
         entries = list(os.scandir(tmp))
     except (FileNotFoundError, NotADirectoryError):
         return out
-    writing = sum(1 for last in seen.values() if last[3] != math.inf)
-    spread = max(WRITING_REREAD, writing / REREADS_PER_S)
     now = time.monotonic()
+    read: list[tuple[str, tuple[int, int, int], NodeMarker]] = []
     for entry in entries:
         if not (entry.name.startswith(NODE_PREFIX) and entry.name.endswith(".json")):
             continue
@@ -223,13 +222,21 @@ def read_markers_in(tmp: str, seen: Seen) -> list[NodeMarker]:
         finally:
             os.close(fd)
         if marker is not None:
-            # Spread over time, so that the markers of nodes that began together are
-            # not all read again in one look.
-            again = math.inf
-            if marker.state == "writing":
-                again = now + spread * (0.5 + random.random())
-            seen[entry.name] = (st.st_ino, st.st_size, st.st_mtime_ns, again)
-            out.append(marker)
+            read.append((entry.name, (st.st_ino, st.st_size, st.st_mtime_ns), marker))
+    for name, tag, _ in read:
+        seen[name] = (*tag, math.inf)
+    # Counted with the markers just read (the first look reads them all), and spread
+    # over time, so that the markers of nodes that began together are not all read
+    # again in one look.
+    writing = sum(1 for last in seen.values() if last[3] != math.inf)
+    writing += sum(1 for _, _, marker in read if marker.state == "writing")
+    spread = max(WRITING_REREAD, writing / REREADS_PER_S)
+    for name, tag, marker in read:
+        again = math.inf
+        if marker.state == "writing":
+            again = now + spread * (0.5 + random.random())
+        seen[name] = (*tag, again)
+        out.append(marker)
     return out
 
 
