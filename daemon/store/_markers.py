@@ -21,7 +21,6 @@ from __future__ import annotations
 import errno
 import math
 import os
-import random
 import re
 import stat
 import time
@@ -116,7 +115,8 @@ WRITING_REREAD: Final = 1.0
 the ``done`` one can keep the cached attributes (on NFS, ``open()`` sees it first)."""
 REREADS_PER_S: Final = 20.0
 """At most this many unchanged ``writing`` markers are read again a second, however many
-nodes write: each is read again every ``max(WRITING_REREAD, writing / REREADS_PER_S)``."""
+nodes write: each is read again about every ``max(WRITING_REREAD, writing / REREADS_PER_S)``
+seconds, in slots of its own."""
 _UNKNOWN_INO: Final = frozenset({0, 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF})
 """Inode numbers a directory listing gives when the filesystem does not say (some FUSE
 servers): such an entry is always measured with a stat."""
@@ -225,16 +225,14 @@ def read_markers_in(tmp: str, seen: Seen) -> list[NodeMarker]:
             read.append((entry.name, (st.st_ino, st.st_size, st.st_mtime_ns), marker))
     for name, tag, _ in read:
         seen[name] = (*tag, math.inf)
-    # Counted with the markers just read (the first look reads them all), and spread
-    # over time, so that the markers of nodes that began together are not all read
-    # again in one look.
-    writing = sum(1 for last in seen.values() if last[3] != math.inf)
-    writing += sum(1 for _, _, marker in read if marker.state == "writing")
-    spread = max(WRITING_REREAD, writing / REREADS_PER_S)
+    # Each writing marker just read is read again in the first free slot after the
+    # others', slots 1 / REREADS_PER_S apart: however many markers a look finds (the
+    # first finds a whole job's), no more than that many fall due in a second.
+    slot = max((last[3] for last in seen.values() if last[3] != math.inf), default=-math.inf)
     for name, tag, marker in read:
         again = math.inf
         if marker.state == "writing":
-            again = now + spread * (0.5 + random.random())
+            slot = again = max(slot + 1.0 / REREADS_PER_S, now + WRITING_REREAD)
         seen[name] = (*tag, again)
         out.append(marker)
     return out
