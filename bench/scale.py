@@ -145,6 +145,7 @@ class _Job:
         counters: list[_fsops.Counters],
     ) -> None:
         self.n, self.ranks, self.fs = n, ranks, fs
+        self.cache = CACHE_S if fs == "caching" else 0.0
         wrap_leader: list[str] = []
         wrap_nodes: list[str] = []
         if fs == "local":
@@ -306,6 +307,10 @@ class _Job:
         ]  # fmt: skip
         self._all(dones)
         self._markers(tmp, self.n)  # every node's writing marker, and the leader's done one
+        # The leader reads each new marker once, within a cache time and a poll interval
+        # of its write: that is per-marker work, not the load that lasts while the
+        # nodes write, and the window below starts after it.
+        time.sleep(self.cache + 2 * POLL_S)
         t_wait = time.time()
         cpu = _cpu_s(pid)
         time.sleep(wait_s)  # the other nodes still write: a rate over a fixed window
