@@ -1,4 +1,4 @@
-"""Benchmark 7: a checkpoint spanning nodes, from the last node's ``done`` to ``step_N``.
+"""Benchmark 9: a checkpoint spanning nodes, from the last node's ``done`` to ``step_N``.
 
 N simulated nodes (2, 8, 32, 64) of 8 protocol-level ranks each save one step of one
 job through one daemon per node (``ckptd serve --node nI``), every rank's file written
@@ -239,7 +239,7 @@ def run(
     filesystems: list[str] | None = None,
     window: float | None = None,
 ) -> BenchResult:
-    """Run benchmark 7.
+    """Run benchmark 9.
 
     Args:
         quick: 2 and 8 nodes, 5 samples, a 3 s CPU window; full: 2, 8, 32, 64 nodes,

@@ -1,4 +1,4 @@
-"""Benchmark 7: retiring a large checkpoint does not delay the next promotion.
+"""Benchmark 8: retiring a large checkpoint does not delay the next promotion.
 
 One daemon, two roots on the same disk: ``plain`` has no retention policy, ``kept`` has
 ``keep_last = 1``. Each round:
@@ -91,7 +91,7 @@ class _Recording(_Line):
 
 
 def run(quick: bool = True, *, files: int | None = None, rounds: int | None = None) -> BenchResult:
-    """Run benchmark 7.
+    """Run benchmark 8.
 
     Args:
         quick: 20,000 files, 3 rounds; full: 100,000 files, 8 rounds.

@@ -1,4 +1,4 @@
-"""Benchmark: checkpoints on an object store (a local SeaweedFS), against plain clients.
+"""Benchmark 10: checkpoints on an object store (a local SeaweedFS), against plain clients.
 
 Three figures, each beside its baseline measured in the same run on the same store:
 

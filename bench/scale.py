@@ -1,25 +1,27 @@
-"""Benchmark 10: thousands of nodes on one machine, and the load they put on the shared root.
+"""Benchmark 11: thousands of nodes on one machine, and the load they put on the shared root.
 
 One real leader daemon (``ckptd serve --node n0``, a subprocess) and N - 1 simulated
-nodes in one other process (``bench/_scale_nodes.py``): each a real ``Daemon`` object
-driven through its request handler, joining the leader's attempt, writing its node
-marker the way a daemon does and waiting for the outcome by the follower's own code.
-Every node has ``ranks`` protocol-level ranks; local rank 0 of each reports one 4 KiB
-file, written into ``tmp_step_N`` by this process before the step begins.
+nodes in other processes (``bench/_scale_nodes.py``; two of them from 257 nodes, as real
+nodes run on cores of their own): each node a real ``Daemon`` object driven through its
+request handler, joining the leader's attempt, writing its node marker the way a daemon
+does and waiting for the outcome by the follower's own code. Every node has ``ranks``
+protocol-level ranks; local rank 0 of each reports one 4 KiB file, written into
+``tmp_step_N`` by this process before the step begins.
 
 One step runs as a job's would: the leader's ranks begin and are done; every other
 node's ranks begin and write for ``wait_s`` (the other nodes wait, looking for a
 failure); then they are all done at once: the nodes check their files and write their
 markers, the leader takes them, verifies and promotes, and every node learns it. Two
-filesystems, as in benchmark 7: **local** (one directory of this disk; polled, so it
+filesystems, as in benchmark 9: **local** (one directory of this disk; polled, so it
 stands for a shared filesystem without a client cache) and **caching** (bindfs with
 1 s lookup and attribute caching; the leader in a mount namespace of its own, the
 simulated nodes sharing a second one).
 
-Counted (``bench/_fsops.py``, strace on both processes during the first step): the
-metadata operations on the root per second while nothing is open (goal 0), while the
-nodes write (goal < 2,000 at 4,096 nodes), and from the last ``done`` to the last node
-learning; and per promotion. Each figure is printed against the model of
+Counted (``bench/_fsops.py``, during the first step: the leader under strace, the
+simulated nodes by the kernel's syscall counters, checked against strace up to 256
+nodes): the metadata operations on the root per second while nothing is open (goal 0),
+while the nodes write (goal < 2,000 at 4,096 nodes), and from the last ``done`` to the
+last node learning; and per promotion. Each figure is printed against the model of
 ``docs/multinode.md`` ("The load"). Timed, on later steps without strace: the last
 ``done`` to ``checkpoint.promoted`` (goal: grows at most linearly with N), the leader's
 verdict to each node learning it (goal: p99 within 2 s plus one cache time), and the
@@ -428,7 +430,7 @@ def run(
     idle_s: float | None = None,
     report: Callable[[list[Row]], None] | None = None,
 ) -> BenchResult:
-    """Run benchmark 10.
+    """Run benchmark 11.
 
     Args:
         quick: 64 and 256 nodes of 2 ranks, one timed step, 6 s of writing; full: 64,
