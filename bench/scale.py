@@ -92,7 +92,21 @@ LEADER_FLOOR_S = 0.1
 """The leader's part is counted as at least this long when its growth is judged."""
 GOAL_OPS = 2000.0
 GOAL_LEARN_S = 2.0
+LATENCY_BUDGET = 2100.0
+"""``poll_budget`` of the extra job run where no budget meets both goals (see
+:func:`both_goals_possible`): the one the latency goal needs, at the load's cost."""
 _FILE = b"\0" * 4096
+
+
+def both_goals_possible(nodes: int, cache: float) -> bool:
+    """Whether any poller can meet both goals for a job of ``nodes`` nodes.
+
+    For 99 % of the ``nodes - 1`` waiting nodes to look within ``GOAL_LEARN_S + cache``
+    after a verdict they cannot foresee, they must look ``0.99 (nodes - 1) / (GOAL_LEARN_S
+    + cache)`` times a second between them (``docs/multinode.md``, "How soon every node
+    knows"); above :data:`GOAL_OPS` that alone breaks the load's goal.
+    """
+    return 0.99 * (nodes - 1) / (GOAL_LEARN_S + cache) < GOAL_OPS
 
 
 def model(
@@ -145,6 +159,7 @@ class _Job:
         fs: str,
         ranks: int,
         counters: list[_fsops.Counters],
+        budget: float = BUDGET,
     ) -> None:
         self.n, self.ranks, self.fs = n, ranks, fs
         self.cache = CACHE_S if fs == "caching" else 0.0
@@ -162,7 +177,7 @@ class _Job:
             # lookup expired, so on its own machine every look reaches the server; in a
             # shared cache another node's fresh one would hide the verdict. Their mount
             # then keeps no negative entries (each look is answered by the server).
-            own = model(n)["interval"] >= CACHE_S
+            own = model(n, budget=budget)["interval"] >= CACHE_S
             nodes_ns = stack.enter_context(
                 NamespaceMount(backing, mount, PER_NODE_CACHING if own else CACHING)
             )
@@ -172,7 +187,7 @@ class _Job:
         config.write_text(
             'node = "n0"\nnode_timeout = 3600\n[[roots]]\n'
             f'path = "{self.root}"\nwatch = "poll"\npoll_interval = {POLL_S}\n'
-            f"poll_budget = {BUDGET}\n"
+            f"poll_budget = {budget}\n"
         )
         home = work / "n0"
         home.mkdir()
@@ -196,7 +211,7 @@ class _Job:
             cmd = [*wrap_nodes, *counter.prefix, sys.executable, "-m", "bench._scale_nodes"]
             cmd += ["--root", str(self.root), "--shard", f"{shard}/{len(counters)}"]
             cmd += ["--home", str(nodes_home), "--nodes", str(n), "--ranks", str(ranks)]
-            cmd += ["--poll-interval", str(POLL_S), "--poll-budget", str(BUDGET)]
+            cmd += ["--poll-interval", str(POLL_S), "--poll-budget", str(budget)]
             counter.started = time.time()
             self.sims.append(
                 subprocess.Popen(
@@ -352,14 +367,21 @@ class _Job:
 
 
 def _measure(
-    fs: str, n: int, *, ranks: int, reps: int, wait_s: float, idle_s: float
+    fs: str,
+    n: int,
+    *,
+    ranks: int,
+    reps: int,
+    wait_s: float,
+    idle_s: float,
+    budget: float = BUDGET,
 ) -> dict[str, Any]:
     """One job of ``n`` nodes: the first step counted under strace, the rest timed."""
     with ExitStack() as stack:
         work = stack.enter_context(_scratch())
         shards = 1 if n <= STRACE_NODES else SHARDS
         counters = [_fsops.Counters(work / f"nodes{i}.perf") for i in range(shards)]
-        job = _Job(stack, work, n, fs, ranks, counters)
+        job = _Job(stack, work, n, fs, ranks, counters, budget)
         tracers = {"leader": _fsops.Tracer([job.leader.pid], work / "leader.strace")}
         if n <= STRACE_NODES:
             nodes_pid = _child(job.sims[0].pid)
@@ -395,6 +417,7 @@ def _measure(
         "seconds": seconds,
         "counted": counted,
         "timed": timed,
+        "budget": budget,
     }
 
 
@@ -465,6 +488,20 @@ def run(
             got = _measure(fs, n, ranks=ranks, reps=reps, wait_s=wait_s, idle_s=idle_s)
             raw[f"{fs} {n}"] = got
             job_rows = _rows(fs, n, got, cache, leader_s)
+            if not both_goals_possible(n, cache):
+                # No budget meets both goals here: the default one keeps the load's,
+                # and a second job shows the latency goal met at the load's cost.
+                got = _measure(
+                    fs,
+                    n,
+                    ranks=ranks,
+                    reps=reps,
+                    wait_s=wait_s,
+                    idle_s=idle_s,
+                    budget=LATENCY_BUDGET,
+                )
+                raw[f"{fs} {n} budget {LATENCY_BUDGET:.0f}"] = got
+                job_rows += _rows(fs, n, got, cache, {})
             rows += job_rows
             if report is not None:
                 report(job_rows)
@@ -492,9 +529,16 @@ def run(
 def _rows(
     fs: str, n: int, got: dict[str, Any], cache: float, leader_s: dict[int, float]
 ) -> list[Row]:
-    """The rows of one job of ``n`` nodes."""
-    name = f"{fs}, {n} nodes"
-    want = model(n, cache=cache)
+    """The rows of one job of ``n`` nodes.
+
+    Where :func:`both_goals_possible` says no budget meets both goals, the job at the
+    default budget is held to the load's goal and to the model's p99, and the job at
+    :data:`LATENCY_BUDGET` to the latency goal, its load reported against the model.
+    """
+    budget = float(got.get("budget", BUDGET))
+    trade = not both_goals_possible(n, cache)
+    name = f"{fs}, {n} nodes" + (f", poll_budget {budget:.0f}" if budget != BUDGET else "")
+    want = model(n, budget=budget, cache=cache)
     ops, seconds = got["ops"], got["seconds"]
     rows: list[Row] = []
     idle = _metadata(ops["idle"]) / seconds["idle"]
@@ -505,7 +549,7 @@ def _rows(
     row = Row("scale", name, "ops/s, nodes writing", "ops/s", writing, n=1)
     row.baseline, row.baseline_name = want["writing_ops"], "model"
     row.ratio = writing / want["writing_ops"] if want["writing_ops"] else None
-    if n >= 4096:
+    if n >= 4096 and budget == BUDGET:
         row.target, row.met = f"< {GOAL_OPS:.0f}", writing < GOAL_OPS
     elif row.ratio is not None:
         row.target, row.met = "0.5-1.5x model", 0.5 <= row.ratio <= 1.5
@@ -546,8 +590,21 @@ def _rows(
     row.baseline, row.baseline_name = want["learn_p99"], "model p99"
     row.ratio = row.median / row.baseline if row.baseline else None
     goal = GOAL_LEARN_S + cache
-    row.target, row.met = f"p99 <= {goal:g} s", row.p99 <= goal
+    if trade and budget == BUDGET:
+        # 2 s here takes more looks than the load's goal allows: held to the model,
+        # and the latency goal to the job at LATENCY_BUDGET.
+        row.target = f"p99 <= 1.1x model (p99 <= {goal:g} s needs > {GOAL_OPS:.0f} looks/s)"
+        row.met = row.p99 <= 1.1 * want["learn_p99"]
+    else:
+        row.target, row.met = f"p99 <= {goal:g} s", row.p99 <= goal
     rows.append(row)
+    if trade and budget != BUDGET:
+        # The load this job pays for its latency, while every marker is in.
+        waiting = _metadata(ops["settling"]) / seconds["settling"]
+        rows[-1].note = (
+            f"the load's price: {want['waiting_ops']:.0f} looks/s modelled once the markers "
+            f"are in ({waiting:.0f}/s measured from the last done, the promotion's work with it)"
+        )
     promoted = [step["to_promoted_s"] for step in timed]
     row = Row("scale", name, "last done -> promoted", "s", median(promoted))
     row.p99, row.n = max(promoted), len(promoted)

@@ -155,3 +155,12 @@ class TestScale:
         assert raw["ops"]["step"]["RENAME"] >= 64  # every node's marker, and the promotion
         metrics = {r.metric for r in result.rows}
         assert {"ops/s, nodes writing", "verdict -> node knows"} <= metrics
+
+    def test_the_latency_goal_gets_its_own_job_only_where_no_budget_meets_both(self) -> None:
+        # 99 % of 4,095 nodes looking within 2 s takes 2,027 looks a second: above the
+        # load's goal with no client cache, below it once a cache time widens the window.
+        assert not scale.both_goals_possible(4096, 0.0)
+        assert scale.both_goals_possible(4096, 1.0)
+        assert scale.both_goals_possible(1024, 0.0)
+        held = scale.model(4096, budget=scale.LATENCY_BUDGET)
+        assert 0.99 * held["interval"] <= scale.GOAL_LEARN_S
