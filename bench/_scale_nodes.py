@@ -44,6 +44,25 @@ __all__ = ["main"]
 
 _FILE_SIZE = 4096
 """Each node's local rank 0 reports one file of this size (``rank<R>.bin``)."""
+SWITCH_S = 0.0005
+"""The interpreter's switch interval here (``sys.setswitchinterval``)."""
+NICE = 5
+"""How much lower than the leader's the simulated nodes' CPU priority is."""
+LAG_EVERY = 0.02
+"""Seconds between the probe's wake-ups (see :func:`_probe`)."""
+
+
+async def _probe(samples: list[tuple[float, float]]) -> None:
+    """Record how late this process's event loop runs a wake-up, until cancelled.
+
+    Every simulated node's look is a wake-up on this one loop, so a wake-up this late
+    is a look this late: time a real node, on a machine of its own, would not lose.
+    Each sample is (wall clock, seconds late).
+    """
+    while True:
+        due = time.monotonic() + LAG_EVERY
+        await anyio.sleep(LAG_EVERY)
+        samples.append((time.time(), max(0.0, time.monotonic() - due)))
 
 
 class _Nodes:
@@ -110,6 +129,7 @@ class _Nodes:
         """Every simulated rank says done; returns when each node learned the outcome."""
         learned: list[float] = [0.0] * len(self.daemons)
         states: dict[str, int] = {}
+        lag: list[tuple[float, float]] = []
 
         async def settle(i: int, daemon: Daemon) -> None:
             wait = p.Wait(id=next(self._ids), root=self.root.path, step=step, timeout=600.0)
@@ -117,25 +137,33 @@ class _Nodes:
             learned[i] = time.time()
             states[str(reply.state)] = states.get(str(reply.state), 0) + 1
 
-        async with anyio.create_task_group() as tg:
-            for i, daemon in enumerate(self.daemons):
-                tg.start_soon(settle, i, daemon)
-            for node, daemon in zip(self.numbers, self.daemons, strict=True):
-                for local in range(self.ranks):
-                    rank = self._rank(node, local)
-                    files = [p.FileEntry(f"rank{rank}.bin", _FILE_SIZE)] if local == 0 else []
-                    request = p.Done(
-                        id=next(self._ids), root=self.root.path, step=step, rank=rank, files=files
-                    )
-                    await daemon.dispatch(rank + 1, request)
-            t_done = time.time()
+        async with anyio.create_task_group() as probing:
+            probing.start_soon(_probe, lag)
+            async with anyio.create_task_group() as tg:
+                for i, daemon in enumerate(self.daemons):
+                    tg.start_soon(settle, i, daemon)
+                await self._dones(step)
+                t_done = time.time()
+            probing.cancel_scope.cancel()
         return {
             "ok": True,
             "t_done": t_done,
             "learned": learned,
             "states": states,
+            "lag": lag,
             "errors": self.errors[-5:],
         }
+
+    async def _dones(self, step: int) -> None:
+        """Every simulated rank's ``done`` of ``step``, handed to its node."""
+        for node, daemon in zip(self.numbers, self.daemons, strict=True):
+            for local in range(self.ranks):
+                rank = self._rank(node, local)
+                files = [p.FileEntry(f"rank{rank}.bin", _FILE_SIZE)] if local == 0 else []
+                request = p.Done(
+                    id=next(self._ids), root=self.root.path, step=step, rank=rank, files=files
+                )
+                await daemon.dispatch(rank + 1, request)
 
 
 def _reply(message: dict[str, Any]) -> None:
@@ -178,6 +206,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     # Thousands of lanes, each with a thread while it has work: keep their stacks small.
     threading.stack_size(512 * 1024)
+    # Each node's look is a hand-off to its lane's thread and back, and hundreds of
+    # nodes here share one interpreter lock: hand it over sooner than the default 5 ms,
+    # or every look waits behind the others' (a real node's daemon waits for no one).
+    sys.setswitchinterval(SWITCH_S)
+    # The leader, and the mounts, run on the same cores; on a real job they have a
+    # node of their own. The simulated nodes yield the CPU to them.
+    os.nice(NICE)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
     anyio.run(_serve, args)
 

@@ -1,8 +1,8 @@
 """Benchmark 11: thousands of nodes on one machine, and the load they put on the shared root.
 
 One real leader daemon (``ckptd serve --node n0``, a subprocess) and N - 1 simulated
-nodes in other processes (``bench/_scale_nodes.py``; two of them from 257 nodes, as real
-nodes run on cores of their own): each node a real ``Daemon`` object driven through its
+nodes in other processes (``bench/_scale_nodes.py``; 512 nodes a process from 257 nodes,
+as real nodes run on machines of their own): each node a real ``Daemon`` object driven through its
 request handler, joining the leader's attempt, writing its node marker the way a daemon
 does and waiting for the outcome by the follower's own code. Every node has ``ranks``
 protocol-level ranks; local rank 0 of each reports one 4 KiB file, written into
@@ -85,9 +85,10 @@ LISTED_BYTES = 48
 STRACE_NODES = 256
 """Up to this many nodes the simulated nodes are counted by strace too, as a check of
 the kernel's counters; beyond, strace's stops would slow them too much."""
-SHARDS = 2
-"""Processes the simulated nodes of a job larger than :data:`STRACE_NODES` are split
-over: one Python process runs on one core at a time, and real nodes have their own."""
+NODES_PER_PROCESS = 512
+"""Beyond :data:`STRACE_NODES`, the simulated nodes run in processes of at most this
+many: in one process thousands of nodes' threads queue for one interpreter lock, each
+look waiting on the others', where a real node's daemon has a machine of its own."""
 LEADER_FLOOR_S = 0.1
 """The leader's part is counted as at least this long when its growth is judged."""
 GOAL_OPS = 2000.0
@@ -243,6 +244,7 @@ class _Job:
         if op == "done":
             merged["t_done"] = max(r["t_done"] for r in replies)
             merged["learned"] = [t for r in replies for t in r["learned"]]
+            merged["lag"] = [sample for r in replies for sample in r["lag"]]
             states: dict[str, int] = {}
             for r in replies:
                 for state, k in r["states"].items():
@@ -287,6 +289,30 @@ class _Job:
             if event.get("event") == "checkpoint.failed":
                 raise RuntimeError(f"step {step} failed: {event}")
 
+    def _taken(self, timeout: float = 300.0) -> float:
+        """Wait until the leader has read every new marker once; how long that took.
+
+        The leader reads each marker it has not seen (two ``read`` calls, and its open):
+        thousands at a job's start, as fast as it can. Then, while the nodes write, it
+        reads only its listing and at most ``REREADS_PER_S`` markers a second. The
+        window of the lasting load starts once a half second of the leader's reads
+        (``/proc/PID/io``) falls to that level.
+        """
+        steady = 2.0 * (
+            2.0 * REREADS_PER_S + 4.0 * math.ceil(self.n * LISTED_BYTES / 32768) / POLL_S
+        )
+        start = time.monotonic()
+        deadline = start + timeout
+        before = _reads(self.leader.pid)
+        while True:
+            time.sleep(0.5)  # a rate over a fixed window, not a wait for an event
+            now = _reads(self.leader.pid)
+            if (now - before) / 0.5 <= steady:
+                return time.monotonic() - start
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the leader still reads markers after {timeout:g}s")
+            before = now
+
     @staticmethod
     def _markers(tmp: Path, n: int, timeout: float = 300.0) -> None:
         """Wait until ``tmp`` holds ``n`` node markers (read uncached, from the backing)."""
@@ -324,10 +350,11 @@ class _Job:
         ]  # fmt: skip
         self._all(dones)
         self._markers(tmp, self.n)  # every node's writing marker, and the leader's done one
-        # The leader reads each new marker once, within a cache time and a poll interval
-        # of its write: that is per-marker work, not the load that lasts while the
+        # The leader reads each new marker once, at least a cache time and a poll
+        # interval after its write: per-marker work, not the load that lasts while the
         # nodes write, and the window below starts after it.
         time.sleep(self.cache + 2 * POLL_S)
+        first_reads = self._taken()
         t_wait = time.time()
         cpu = _cpu_s(pid)
         time.sleep(wait_s)  # the other nodes still write: a rate over a fixed window
@@ -346,6 +373,9 @@ class _Job:
             parse_ts(json.loads(m.read_text())["written"]) for m in final.glob(".ckptd-node-*.json")
         ]
         learned = [t - written for t in got["learned"]]
+        # How late the simulated nodes' own loops ran while the nodes were learning: a
+        # look that late is a look a node with its own machine would have made sooner.
+        lag = [round(late, 4) for t, late in got["lag"] if written <= t <= max(got["learned"])]
         return {
             "t_idle": t_idle,
             "t_open": t_open,
@@ -360,6 +390,8 @@ class _Job:
             "marker_to_promoted_s": written - max(markers),
             "taken_to_promoted_s": promoted - taken,
             "learn_s": learned,
+            "lag_s": lag,
+            "first_reads_s": first_reads,
             "idle_cpu": idle_cpu,
             "waiting_cpu": waiting_cpu,
             "states": got["states"],
@@ -379,7 +411,7 @@ def _measure(
     """One job of ``n`` nodes: the first step counted under strace, the rest timed."""
     with ExitStack() as stack:
         work = stack.enter_context(_scratch())
-        shards = 1 if n <= STRACE_NODES else SHARDS
+        shards = 1 if n <= STRACE_NODES else math.ceil((n - 1) / NODES_PER_PROCESS)
         counters = [_fsops.Counters(work / f"nodes{i}.perf") for i in range(shards)]
         job = _Job(stack, work, n, fs, ranks, counters, budget)
         tracers = {"leader": _fsops.Tracer([job.leader.pid], work / "leader.strace")}
@@ -419,6 +451,15 @@ def _measure(
         "timed": timed,
         "budget": budget,
     }
+
+
+def _reads(pid: int) -> int:
+    """``read`` calls ``pid`` has made so far (``syscr`` of ``/proc/PID/io``)."""
+    with open(f"/proc/{pid}/io", encoding="ascii") as fh:
+        for line in fh:
+            if line.startswith("syscr:"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no syscr in /proc/{pid}/io")
 
 
 def _child(pid: int, timeout: float = 30.0) -> int:
@@ -589,6 +630,12 @@ def _rows(
     row.p99, row.n = p99(learn), len(learn)
     row.baseline, row.baseline_name = want["learn_p99"], "model p99"
     row.ratio = row.median / row.baseline if row.baseline else None
+    late = [s for step in timed for s in step.get("lag_s", [])]
+    if late:
+        row.note = (
+            f"the simulated nodes' loops ran late meanwhile: p50 {median(late):.2f} s, "
+            f"p99 {p99(late):.2f} s"
+        )
     goal = GOAL_LEARN_S + cache
     if trade and budget == BUDGET:
         # 2 s here takes more looks than the load's goal allows: held to the model,
@@ -601,7 +648,8 @@ def _rows(
     if trade and budget != BUDGET:
         # The load this job pays for its latency, while every marker is in.
         waiting = _metadata(ops["settling"]) / seconds["settling"]
-        rows[-1].note = (
+        rows[-1].note += "; " if rows[-1].note else ""
+        rows[-1].note += (
             f"the load's price: {want['waiting_ops']:.0f} looks/s modelled once the markers "
             f"are in ({waiting:.0f}/s measured from the last done, the promotion's work with it)"
         )
@@ -623,6 +671,12 @@ def _rows(
     row.p99, row.n = max(took), len(took)
     row.note = "its last node.done to checkpoint.promoted: verify, flush, rename, verdict"
     rows.append(row)
+    first = [step["first_reads_s"] for step in timed if "first_reads_s" in step]
+    if first:
+        row = Row("scale", name, "leader: markers in -> each read once", "s", median(first))
+        row.p99, row.n = max(first), len(first)
+        row.note = "after a cache time and two polls: the leader's first read of every marker"
+        rows.append(row)
     cpu = [step["waiting_cpu"] * 100 for step in timed]
     quiet = [step["idle_cpu"] * 100 for step in timed]
     row = Row("scale", name, "leader CPU, nodes writing", "%", median(cpu), n=len(cpu))
