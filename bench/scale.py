@@ -2,9 +2,9 @@
 
 One real leader daemon (``ckptd serve --node n0``, a subprocess) and N - 1 simulated
 nodes in other processes (``bench/_scale_nodes.py``; 512 nodes a process from 257 nodes,
-as real nodes run on machines of their own): each node a real ``Daemon`` object driven through its
-request handler, joining the leader's attempt, writing its node marker the way a daemon
-does and waiting for the outcome by the follower's own code. Every node has ``ranks``
+as real nodes run on machines of their own): each node a real ``Daemon`` object driven
+through its request handler, joining the leader's attempt, writing its node marker the
+way a daemon does and waiting for the outcome by the follower's own code. Every node has ``ranks``
 protocol-level ranks; local rank 0 of each reports one 4 KiB file, written into
 ``tmp_step_N`` by this process before the step begins.
 
