@@ -14,8 +14,8 @@ failure); then they are all done at once: the nodes check their files and write 
 markers, the leader takes them, verifies and promotes, and every node learns it. Two
 filesystems, as in benchmark 9: **local** (one directory of this disk; polled, so it
 stands for a shared filesystem without a client cache) and **caching** (bindfs with
-1 s lookup and attribute caching; the leader in a mount namespace of its own, the
-simulated nodes sharing a second one).
+1 s lookup and attribute caching; the leader in a mount namespace of its own, and each
+process of simulated nodes in another).
 
 Counted (``bench/_fsops.py``, during the first step: the leader under strace, the
 simulated nodes by the kernel's syscall counters, checked against strace up to 256
@@ -165,7 +165,7 @@ class _Job:
         self.n, self.ranks, self.fs = n, ranks, fs
         self.cache = CACHE_S if fs == "caching" else 0.0
         wrap_leader: list[str] = []
-        wrap_nodes: list[str] = []
+        wrap_nodes: list[list[str]] = [[] for _ in counters]
         if fs == "local":
             self.root = self.backing = work / "run"
             self.root.mkdir()
@@ -179,11 +179,17 @@ class _Job:
             # shared cache another node's fresh one would hide the verdict. Their mount
             # then keeps no negative entries (each look is answered by the server).
             own = model(n, budget=budget)["interval"] >= CACHE_S
-            nodes_ns = stack.enter_context(
-                NamespaceMount(backing, mount, PER_NODE_CACHING if own else CACHING)
-            )
+            # Each process of simulated nodes has a mount of its own, as each real
+            # node has a client of its own: one FUSE server for all of them would
+            # queue every node's calls behind the others'.
+            wrap_nodes = [
+                stack.enter_context(
+                    NamespaceMount(backing, mount, PER_NODE_CACHING if own else CACHING)
+                ).enter
+                for _ in counters
+            ]
             self.root, self.backing = mount / "run", backing / "run"
-            wrap_leader, wrap_nodes = leader_ns.enter, nodes_ns.enter
+            wrap_leader = leader_ns.enter
         config = work / "leader.toml"
         config.write_text(
             'node = "n0"\nnode_timeout = 3600\n[[roots]]\n'
@@ -209,7 +215,7 @@ class _Job:
         """The simulated nodes' processes, one for each of ``counters``."""
         stack.callback(self.close_nodes)
         for shard, counter in enumerate(counters):
-            cmd = [*wrap_nodes, *counter.prefix, sys.executable, "-m", "bench._scale_nodes"]
+            cmd = [*wrap_nodes[shard], *counter.prefix, sys.executable, "-m", "bench._scale_nodes"]
             cmd += ["--root", str(self.root), "--shard", f"{shard}/{len(counters)}"]
             cmd += ["--home", str(nodes_home), "--nodes", str(n), "--ranks", str(ranks)]
             cmd += ["--poll-interval", str(POLL_S), "--poll-budget", str(budget)]
