@@ -304,6 +304,8 @@ class _Job:
         window of the lasting load starts once a half second of the leader's reads
         (``/proc/PID/io``) falls to that level.
         """
+        # Twice the rereads' two reads a marker, with room for what else counts there
+        # (the listing's READDIRs do not, but a socket's reads do).
         steady = 2.0 * (
             2.0 * REREADS_PER_S + 4.0 * math.ceil(self.n * LISTED_BYTES / 32768) / POLL_S
         )
@@ -360,7 +362,7 @@ class _Job:
         # interval after its write: per-marker work, not the load that lasts while the
         # nodes write, and the window below starts after it.
         time.sleep(self.cache + 2 * POLL_S)
-        first_reads = self._taken()
+        first_reads = self._taken()  # kept in the raw results: a wait, in 0.5 s steps
         t_wait = time.time()
         cpu = _cpu_s(pid)
         time.sleep(wait_s)  # the other nodes still write: a rate over a fixed window
@@ -677,12 +679,6 @@ def _rows(
     row.p99, row.n = max(took), len(took)
     row.note = "its last node.done to checkpoint.promoted: verify, flush, rename, verdict"
     rows.append(row)
-    first = [step["first_reads_s"] for step in timed if "first_reads_s" in step]
-    if first:
-        row = Row("scale", name, "leader: markers in -> each read once", "s", median(first))
-        row.p99, row.n = max(first), len(first)
-        row.note = "after a cache time and two polls: the leader's first read of every marker"
-        rows.append(row)
     cpu = [step["waiting_cpu"] * 100 for step in timed]
     quiet = [step["idle_cpu"] * 100 for step in timed]
     row = Row("scale", name, "leader CPU, nodes writing", "%", median(cpu), n=len(cpu))
