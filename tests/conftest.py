@@ -61,15 +61,26 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return SharedFixtureScheduling(config, log)
 
 
+SLOW_DEADLINE = 600.0
+"""Seconds a ``slow`` test may run (setup included) unless it says otherwise: a deadline
+for a hang, not a measure of speed. Such a test runs whole jobs (ranks importing torch
+and nemo_automodel, a Slurm cluster), which take 20-110 s here and three times that on a
+slower, busier machine, all of them started together at the suite's start."""
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Deal the modules with slow tests out first (their order kept, and the others').
 
     The workers take units of work in collection order. Alphabetically, modules of one
     or two long jobs (a Slurm cluster, a NeMo-RL driver and its workers) came last and
     ran alone at the end; started first, the short tests fill the other workers meanwhile.
+    A slow test without a timeout of its own gets :data:`SLOW_DEADLINE`.
     """
     slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
     items.sort(key=lambda item: item.path not in slow)  # stable: False (slow) first
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(SLOW_DEADLINE))
 
 
 @pytest.fixture

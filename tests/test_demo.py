@@ -25,8 +25,10 @@ from tests.conftest import REPO, DaemonProcess
 pytestmark = pytest.mark.slow
 
 TRAIN = REPO / "examples" / "train.py"
-JOB_TIMEOUT = 40.0
-"""Seconds one run of the job may take (about 10 s on a quiet 2-core machine)."""
+JOB_TIMEOUT = 180.0
+"""Seconds one run of the job may take: a deadline for a hang. It takes about 10 s on a
+quiet 2-core machine, 20 s beside the suite's other jobs, and more than 40 s on a slower
+one (two ranks and torchrun importing torch while the other workers' jobs do too)."""
 TRACEBACK = "Traceback (most recent call last)"
 
 Start = Callable[..., DaemonProcess]
@@ -110,7 +112,6 @@ def no_daemon_trouble(events: list[dict[str, Any]]) -> None:
 class TestDemoJob:
     """The demo's 2-rank job checkpoints through a real daemon and resumes after a restart."""
 
-    @pytest.mark.timeout(120)
     def test_train_restart_resume(self, start: Start, tmp_path: Path) -> None:
         root = tmp_path / "ckpt"
         root.mkdir()

@@ -27,7 +27,7 @@ from tests._dcp_worker import state_for
 from tests._nodes import Cluster, SimNode, make_cluster
 from tests._ranks import free_port, pump_lines
 from tests.conftest import REPO
-from tests.test_demo import TRACEBACK, torchrun
+from tests.test_demo import JOB_TIMEOUT, TRACEBACK, torchrun
 
 __all__ = ["make_cluster"]  # the fixture, imported for pytest
 
@@ -136,7 +136,7 @@ class TestDemoAcrossNodes:
         outputs = []
         for proc in procs:
             try:
-                out, _ = proc.communicate(timeout=120)
+                out, _ = proc.communicate(timeout=JOB_TIMEOUT)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 out, _ = proc.communicate()

@@ -18,7 +18,7 @@ import pytest
 
 from tests._s3 import S3Server, serve
 from tests.conftest import REPO, DaemonProcess
-from tests.test_demo import TRACEBACK, torchrun
+from tests.test_demo import JOB_TIMEOUT, TRACEBACK, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,7 @@ def train(daemon: DaemonProcess, env: dict[str, str], root: str) -> str:
         env=full,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        timeout=90,
+        timeout=JOB_TIMEOUT,
         check=False,
     )
     out = proc.stdout.decode(errors="replace")
@@ -66,7 +66,6 @@ def ckptd(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
 class TestDemoOnS3:
     """The 2-rank demo job checkpoints to SeaweedFS and resumes after a daemon restart."""
 
-    @pytest.mark.timeout(300)
     def test_train_restart_resume(self, seaweed: S3Server, short_dir: Path) -> None:
         root = seaweed.root()
         env = seaweed.env()
