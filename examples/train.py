@@ -1,13 +1,13 @@
 """A small data-parallel training job that checkpoints through ckptd.
 
 Run one process per rank (``torchrun --nproc-per-node 2 examples/train.py ROOT``). A tiny
-Llama built from a config (no download) trains on random tokens with AdamW under DDP
-(gloo, CPU). Every ``--every`` steps each rank hands the model and optimizer state to
-``dcp.async_save`` through ``orchestrator.async_save`` and goes straight back to
-training; the node's ckptd promotes ``tmp_step_N`` to ``step_N`` once every rank's
-uploads have landed. On start it resumes from the newest promoted checkpoint, if any.
-The root may be an object store (``s3://BUCKET/PREFIX``): each rank then uploads
-straight to it, and ckptd commits each step with one conditional write.
+causal transformer language model (plain torch, no download) trains on random tokens
+with AdamW under DDP (gloo, CPU). Every ``--every`` steps each rank hands the model and
+optimizer state to ``dcp.async_save`` through ``orchestrator.async_save`` and goes
+straight back to training; the node's ckptd promotes ``tmp_step_N`` to ``step_N`` once
+every rank's uploads have landed. On start it resumes from the newest promoted
+checkpoint, if any. The root may be an object store (``s3://BUCKET/PREFIX``): each rank
+then uploads straight to it, and ckptd commits each step with one conditional write.
 """
 
 from __future__ import annotations
@@ -23,26 +23,50 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.nn import functional
 from torch.nn.parallel import DistributedDataParallel
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import orchestrator
 
 
+class TinyLM(torch.nn.Module):
+    """A two-layer causal transformer language model small enough to train on two CPU cores.
+
+    Plain torch: each rank imports torch alone, not a model library (seconds a rank).
+    """
+
+    def __init__(self, vocab: int = 512, width: int = 128, layers: int = 2, context: int = 128):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.position = torch.nn.Embedding(context, width)
+        block = torch.nn.TransformerEncoderLayer(
+            width,
+            nhead=4,
+            dim_feedforward=2 * width,
+            dropout=0.0,
+            batch_first=True,
+            norm_first=True,
+        )
+        self.blocks = torch.nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.norm = torch.nn.LayerNorm(width)
+        self.head = torch.nn.Linear(width, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The mean next-token cross-entropy of ``tokens`` (batch, length)."""
+        length = tokens.shape[1]
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(length)
+        hidden = self.embed(tokens) + self.position(torch.arange(length))
+        hidden = self.blocks(hidden, mask=mask, is_causal=True)
+        logits = self.head(self.norm(hidden))[:, :-1]
+        return functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
+        )
+
+
 def build_model() -> torch.nn.Module:
-    """A Llama small enough to train on two CPU cores."""
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
+    """The job's model, initialised the same on every rank."""
     torch.manual_seed(0)
-    model: torch.nn.Module = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]
-    return model
+    return TinyLM()
 
 
 def latest_checkpoint(root: str) -> tuple[int, str] | None:
@@ -97,7 +121,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1234 + rank)
     for step in range(start + 1, start + args.steps + 1):
         tokens = torch.randint(0, 512, (4, 64), generator=gen)
-        loss = ddp(input_ids=tokens, labels=tokens).loss
+        loss = ddp(tokens)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
