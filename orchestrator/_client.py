@@ -27,6 +27,7 @@ __all__ = ["CheckpointClient"]
 log = logging.getLogger("orchestrator")
 
 _CLOSE_TIMEOUT: Final = 600.0
+_REPORT_TIMEOUT: Final = 5.0
 
 
 class CheckpointClient(OpsClient):
@@ -248,19 +249,24 @@ class CheckpointClient(OpsClient):
 
     # -- lifecycle ---------------------------------------------------------------------
 
-    def close(self, timeout: float | None = _CLOSE_TIMEOUT) -> None:
+    def close(
+        self, timeout: float | None = _CLOSE_TIMEOUT, *, report_timeout: float = _REPORT_TIMEOUT
+    ) -> None:
         """Finish reporting, then close the connection and stop the background threads.
 
         A save never sealed cannot finish: it is reported failed at once, with a
         warning. Sealed saves still uploading are waited for (see :meth:`wait_saves`)
         up to ``timeout``; those still in flight then are reported failed (nothing
         could report them later), with a warning. Then the client waits for the daemon's
-        acknowledgements, reconnecting if it must (at most 5 s). Every wait is bounded
-        unless ``timeout`` is None.
+        acknowledgements, reconnecting if it must, up to ``report_timeout``. Every wait
+        is bounded unless ``timeout`` is None.
 
         Args:
             timeout: Longest wait for in-flight uploads, in seconds (default 600); None
                 waits as long as they take.
+            report_timeout: Longest wait for the daemon to acknowledge what was sent, in
+                seconds (default 5): a daemon that restarted just before this process
+                exits still gets the last reports, and one that is down costs this much.
         """
         if self._closed:
             return
@@ -291,8 +297,8 @@ class CheckpointClient(OpsClient):
                     f"flight after {timeout}s"
                 )
         # Also while reconnecting: a daemon that restarted just before this process
-        # exits still gets the last reports (and a daemon that is down costs 5 s here).
-        self.flush(5.0)
+        # exits still gets the last reports (and a daemon that is down costs the wait).
+        self.flush(report_timeout)
         self._channel.close()
 
     def __enter__(self) -> CheckpointClient:

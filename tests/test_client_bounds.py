@@ -85,6 +85,15 @@ class TestClose:
             reply = check.request("wait", root=str(root), step=3, timeout=30)
         assert reply["state"] == "promoted", reply
 
+    def test_the_wait_for_acknowledgements_is_the_callers(
+        self, short_dir: Path, root: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        caplog.set_level(logging.WARNING, logger="orchestrator")
+        client = CheckpointClient(str(short_dir / "nobody.sock"))
+        client.begin(str(root), 4, 0, 1)  # never acknowledged: no daemon listens
+        # The default waits 5 s for a daemon to come up; this caller gives it none.
+        assert _close_within(client, 3.0, report_timeout=0.0)
+
 
 class _BrokenMetadata:
     """A save result whose shard listing raises when read."""

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,6 +23,20 @@ def _write_layout(root: Path, tmp_prefix: str) -> None:
     info = {"path": str(root), "tmp_prefix": tmp_prefix, "final_prefix": "step_"}
     info["pointer"] = "latest"
     (root / LAYOUT_FILE).write_text(json.dumps(info))
+
+
+@contextlib.contextmanager
+def no_daemon(short_dir: Path, **kwargs: Any) -> Iterator[CheckpointClient]:
+    """A client whose daemon is down.
+
+    Its close does not wait for one to come up (5 s by default): what is under test
+    here is done by then.
+    """
+    client = CheckpointClient(str(short_dir / "nobody.sock"), **kwargs)
+    try:
+        yield client
+    finally:
+        client.close(report_timeout=0.0)
 
 
 @pytest.fixture
@@ -60,7 +76,7 @@ class TestPathExistsOnReturn:
 
     @pytest.mark.parametrize("wait", [True, False])
     def test_daemon_down(self, short_dir: Path, root: Path, wait: bool) -> None:
-        with CheckpointClient(str(short_dir / "nobody.sock"), begin_timeout=60.0) as client:
+        with no_daemon(short_dir, begin_timeout=60.0) as client:
             found = []
             for step in STEPS:
                 handle = client.save(str(root), step, 0, 1, wait=wait)
@@ -70,7 +86,7 @@ class TestPathExistsOnReturn:
         assert found == [True] * len(STEPS)
 
     def test_begin_creates_it_too(self, short_dir: Path, root: Path) -> None:
-        with CheckpointClient(str(short_dir / "nobody.sock")) as client:
+        with no_daemon(short_dir) as client:
             begun = client.begin(str(root), 3, 0, 1)
         assert Path(begun.path).is_dir()
 
@@ -80,7 +96,7 @@ class TestLayoutFile:
 
     def test_daemon_down_non_default_prefix(self, short_dir: Path, root: Path) -> None:
         _write_layout(root, "incoming-")
-        with CheckpointClient(str(short_dir / "nobody.sock"), begin_timeout=60.0) as client:
+        with no_daemon(short_dir, begin_timeout=60.0) as client:
             assert client.step_path(str(root), 4) == str(root / "incoming-4")
             found = []
             for step in STEPS:
@@ -130,7 +146,7 @@ class TestLayoutFile:
         self, short_dir: Path, root: Path, content: str
     ) -> None:
         (root / LAYOUT_FILE).write_text(content)
-        with CheckpointClient(str(short_dir / "nobody.sock")) as client:
+        with no_daemon(short_dir) as client:
             assert client.step_path(str(root), 1) is None
             handle = client.save(str(root), 1, 0, 1, wait=False)
             handle.seal()
