@@ -97,6 +97,20 @@ class TestLeader:
         assert isinstance(failed, NodeFailed)
         assert "cannot add up to world_size 6: the leader 2, b 2, c 3" in failed.reason
 
+    def test_a_node_read_again_counts_once_by_what_it_says_last(self) -> None:
+        # The leader reads a writing marker again and again, then the node's done marker:
+        # each time the node's size replaces what it said before, never adds to it.
+        ledger = _leader(world=6)
+        for _ in range(3):
+            assert ledger.remote_writing(KEY, "b", "att", 2, 2.0) == []
+        assert ledger.remote_writing(KEY, "c", "att", 1, 2.0) == []
+        assert ledger.remote_writing(KEY, "c", "att", 2, 2.0) == []  # 2 + 2 + 2: fits
+        effects = ledger.remote_done(KEY, "b", "att", 2, _files(2, 3), 3.0)
+        assert not any(isinstance(e, NodeFailed) for e in effects)
+        (failed,) = ledger.remote_writing(KEY, "c", "att", 3, 4.0)  # now 2 + 2 + 3
+        assert isinstance(failed, NodeFailed)
+        assert "cannot add up to world_size 6: the leader 2, b 2, c 3" in failed.reason
+
     def test_missing_nodes_past_node_timeout_are_named(self) -> None:
         ledger = _leader(world=6, timeout=10.0)
         ledger.remote_done(KEY, "b", "att", 2, _files(2, 3), 2.0)

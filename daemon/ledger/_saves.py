@@ -168,6 +168,9 @@ class SaveRecord:
     """Ranks the leader has from other nodes' markers."""
     declared: dict[str, int] = field(default_factory=dict)
     """Each other node's local world size, as its markers said (the leader)."""
+    declared_ranks: int = 0
+    """The sum of :attr:`declared`, kept as it changes: each marker is checked against
+    it, and a large job's thousands of markers must not each add up the others'."""
     writing_nodes: set[str] = field(default_factory=set)
     """Nodes whose marker says they are writing (the leader; not journaled)."""
 

@@ -231,8 +231,9 @@ class SpanningLedger:
 
     def _oversized(self, save: SaveRecord, node: str, local_world_size: int) -> str | None:
         """Whether the nodes' local world sizes add up to more than ``world_size``."""
+        save.declared_ranks += local_world_size - save.declared.get(node, 0)
         save.declared[node] = local_world_size
-        total = save.local_world_size + sum(save.declared.values())
+        total = save.local_world_size + save.declared_ranks
         if total > save.world_size:
             sizes = ", ".join(f"{n} {k}" for n, k in sorted(save.declared.items()))
             return (
