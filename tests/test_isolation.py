@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -415,6 +416,37 @@ def drain(sock: socket.socket) -> None:
             sock.recv(4096)
     except BlockingIOError:
         pass
+
+
+class TestFailureWhileTheJournalHangs:
+    """A ``wait`` is told ``failed`` only once the failure is on disk and carried out."""
+
+    def test_wait_holds_until_the_failure_is_durable_and_set_aside(
+        self, start: Start, tmp_path: Path
+    ) -> None:
+        root = tmp_path / "run"
+        root.mkdir()
+        with bindfs_mount(backing(tmp_path, "state-backing"), tmp_path / "state") as fs:
+            extra = ("--state-dir", str(fs.mount), "--config", str(config_file(tmp_path)))
+            daemon = start([root], *extra)
+            with connect(daemon) as rank, connect(daemon) as waiter:
+                ok(begin(rank, root, 1))
+                write_files(root / "tmp_step_1", 0)
+                fs.stop()
+                rank.send_raw(line("fail", 2, root=str(root), step=1, rank=0, reason="oom"))
+                # The ledger has failed the step; the journal cannot take it yet.
+                daemon.wait_event("journal.stalled", TIMEOUT)
+                waiter.send_raw(line("wait", 1, root=str(root), step=1, timeout=TIMEOUT))
+                # An answer now would say failed while the failure is not durable and
+                # the attempt's files still lie where its next attempt will write.
+                answered, _, _ = select.select([waiter.sock], [], [], 1.0)
+                assert not answered, waiter.recv()
+                assert (root / "tmp_step_1" / "model").is_dir()
+                fs.cont()
+                assert ok(waiter.recv())["state"] == "failed"
+                assert not (root / "tmp_step_1").exists()  # set aside before the answer
+                assert ok(rank.recv())["id"] == 2
+            assert daemon.stop() == 0
 
 
 class TestWatchdog:

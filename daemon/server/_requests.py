@@ -77,6 +77,8 @@ class Requests(Rescues):
 
         def apply(self, effects: Sequence[Effect]) -> None: ...
 
+        def settling(self, key: SaveKey) -> bool: ...
+
     async def dispatch(self, conn: int, request: p.Request) -> msgspec.Struct:
         """Answer one request other than ``wait`` and ``subscribe``.
 
@@ -311,6 +313,7 @@ class Requests(Rescues):
             while (
                 (save := self.ledger.get(key)) is None
                 or save.state not in _SETTLED
+                or self.settling(key)  # settled, but not yet durable
                 or self.attempt_dirs.reporting(key)  # failed, but not yet set aside
                 or self.nodes.reporting(key)  # failed, but not yet written out
             ):
@@ -332,7 +335,7 @@ class Requests(Rescues):
         if save.state is p.SaveState.PROMOTED:
             return p.WaitReply(id=request.id, state="promoted", path=save.path, attempt=attempt)
         if save.state is p.SaveState.FAILED and not (
-            self.attempt_dirs.reporting(key) or self.nodes.reporting(key)
+            self.settling(key) or self.attempt_dirs.reporting(key) or self.nodes.reporting(key)
         ):
             return p.WaitReply(id=request.id, state="failed", reason=save.reason, attempt=attempt)
         return p.WaitReply(id=request.id, state="pending", attempt=attempt)

@@ -201,6 +201,19 @@ class Daemon(Requests):
         """
         return leader is None or leader == self.config.node
 
+    def settling(self, key: SaveKey) -> bool:
+        """Whether ``key`` was settled by a change the journal does not have yet.
+
+        The ledger moves a save to its end state at once, but the change's effects (the
+        failed attempt's set-aside, the failure marker, the woken waiters) are held back
+        until it is durable (:meth:`commit`): until then nobody is told.
+        """
+        return any(
+            isinstance(effect, Settled | SetAside | NodeFailed) and effect.key == key
+            for _, effects in self._held
+            for effect in effects
+        )
+
     def apply(self, effects: Sequence[Effect]) -> None:
         """Carry out ledger effects: events, promotions, woken waiters."""
         for effect in effects:
