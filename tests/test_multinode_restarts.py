@@ -34,6 +34,8 @@ from tests._node_jobs import (
 )
 from tests._nodes import Cluster, SimNode, make_cluster
 
+pytestmark = pytest.mark.waits
+
 __all__ = ["make_cluster", "three"]  # the fixtures, imported for pytest
 
 MakeCluster = Callable[..., Cluster]
@@ -215,6 +217,43 @@ class TestPromoteWithoutLeader:
         assert "4-5" in out or "n2" in out, out
         assert not (nodes.backing_root / "step_1").exists()
         assert (nodes.backing_root / "tmp_step_1" / "rank0.bin").exists()  # nothing lost
+
+
+class TestStopDuringAHungLook:
+    """A leader stopped while its look at the markers hangs stops once the look is done."""
+
+    def test_sigterm_while_the_shared_mount_hangs(self, make_cluster: MakeCluster) -> None:
+        nodes = make_cluster(3)
+        nodes.start_daemons(settings={"node_timeout": NODE_TIMEOUT, "fs_stall_after": 0.5})
+        job = Job(list(nodes), nodes.root, 2)
+        try:
+            leader = nodes[0]
+            daemon = the_daemon(leader)
+            job.begin(1)
+            job.save(1, job.on(leader))
+            marked(nodes.backing_root, 1, "n0")  # the leader now looks for the others'
+            leader.freeze()
+            daemon.wait_event("root.stalled", 30.0)  # a look is stuck on the mount
+            assert daemon.proc is not None
+            daemon.proc.send_signal(signal.SIGTERM)
+            daemon.wait_event("daemon.stopping", 30.0)
+            # Meanwhile the other nodes finish: the hung look, once answered, finds them
+            # and takes their markers into the journal (which must still be running).
+            job.save(1, job.on(nodes[1]) + job.on(nodes[2]))
+            marked(nodes.backing_root, 1, "n1")
+            marked(nodes.backing_root, 1, "n2")
+            leader.thaw()
+            # It stops by itself: with the journal stopped under the look's commit, it
+            # would wait for ever.
+            assert daemon.proc.wait(30.0) == 0
+            daemon.wait_event("daemon.stopped", 5.0)
+            # The look took every marker: the step was promoted before it stopped, or
+            # is once it is restarted, from what it journaled and the markers.
+            leader.restart_daemon()
+            answers = [node.wait(nodes.root, 1, 30.0) for node in nodes]
+            assert [a.get("state") for a in answers] == ["promoted"] * 3, answers
+        finally:
+            job.close()
 
 
 class TestShutdown:

@@ -81,6 +81,8 @@ class Nodes(Joining):
         self.promote: Callable[[SaveKey], None] | None = None
         """Starts a promotion again (a leader whose rival claim went away)."""
         self._watches: set[anyio.CancelScope] = set()
+        """Each background task's scope, from when it is spawned until it ends."""
+        self._quiet: anyio.Event | None = None  # set when the last of them ends
         self._wakers: dict[SaveKey, Waker] = {}
         self._renamed: dict[SaveKey, float] = {}  # when step_N was first seen unconfirmed
         self._closed = False
@@ -148,13 +150,21 @@ class Nodes(Joining):
             self._spawn(self._failed, effect)
 
     def _spawn(self, fn: Callable[..., Coroutine[Any, Any, None]], *args: object) -> None:
-        """Run ``fn(*args)`` in the background; a bug in it never takes the daemon down."""
-        assert self.group is not None
-        self.group.start_soon(self._guarded, fn, *args)
+        """Run ``fn(*args)`` in the background; a bug in it never takes the daemon down.
 
-    async def _guarded(self, fn: Callable[..., Coroutine[Any, Any, None]], *args: object) -> None:
+        Its scope is counted from now, not from when it first runs: :meth:`close` cancels
+        a task spawned but not yet started as well, and :meth:`idle` waits for it.
+        """
+        assert self.group is not None
         scope = anyio.CancelScope()
+        if self._closed:
+            scope.cancel()  # its shielded part (a marker, a failure) still runs
         self._watches.add(scope)
+        self.group.start_soon(self._guarded, scope, fn, *args)
+
+    async def _guarded(
+        self, scope: anyio.CancelScope, fn: Callable[..., Coroutine[Any, Any, None]], *args: object
+    ) -> None:
         try:
             with scope:
                 await fn(*args)
@@ -163,6 +173,9 @@ class Nodes(Joining):
             self._daemon.events.emit("daemon.internal_error", "error", where=where, error=repr(exc))
         finally:
             self._watches.discard(scope)
+            if not self._watches and self._quiet is not None:
+                self._quiet.set()
+                self._quiet = None
 
     async def _mark(self, key: SaveKey) -> None:
         daemon = self._daemon
@@ -209,9 +222,23 @@ class Nodes(Joining):
             root = self._daemon.configured(key.root)
             self._spawn(self.follow, root, save)
 
+    @property
+    def busy(self) -> bool:
+        """Whether a failure is being written out or, once closed, a task still runs."""
+        return bool(self._pending) or (self._closed and bool(self._watches))
+
     async def idle(self) -> None:
-        """Return once no node failure is being written out (each reports when done)."""
+        """Return once no node failure is being written out (each reports when done).
+
+        Once :meth:`close` was called, also once every task it cancelled has ended: a
+        look at the shared directory under way finishes (shielded), and its commit
+        needs the journal, which stops only after this returns.
+        """
         await self._pending.idle()
+        while self._closed and self._watches:
+            if self._quiet is None:
+                self._quiet = anyio.Event()
+            await self._quiet.wait()
 
     def close(self) -> None:
         """Stop every watch (shutdown): a restart watches again from the journal."""

@@ -119,11 +119,15 @@ async def serve(
                 await listener.aclose()
                 # Promotions in flight are shielded: let them finish and journal their
                 # outcome before the journal writer stops; so are the set-asides of the
-                # attempts they failed, which journal where the files went.
-                daemon.nodes.close()  # watches stop; markers and failures in flight finish
-                await daemon.promoter.idle()
-                await daemon.nodes.idle()
-                await daemon.attempt_dirs.idle()
+                # attempts they failed, which journal where the files went, and the
+                # nodes' looks, markers and failures under way. Each may start another
+                # (a look that finds the last marker, a promotion that fails): wait
+                # until none is left.
+                daemon.nodes.close()  # watches stop; what is under way finishes
+                while daemon.nodes.busy or daemon.promoter.busy or daemon.attempt_dirs.busy:
+                    await daemon.nodes.idle()
+                    await daemon.promoter.idle()
+                    await daemon.attempt_dirs.idle()
                 await daemon.retention.stop()  # while the journal still writes
                 services.cancel_scope.cancel()
         daemon.trash.close()

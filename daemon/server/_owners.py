@@ -137,6 +137,11 @@ class AttemptDirs:
         self._pending.hold(effect.key)
         self.group.start_soon(self._set_aside, effect)
 
+    @property
+    def busy(self) -> bool:
+        """Whether a set-aside is under way."""
+        return bool(self._pending)
+
     async def idle(self) -> None:
         """Return once no set-aside is under way (each journals where it moved the files)."""
         await self._pending.idle()

@@ -60,6 +60,11 @@ class Promoter:
         self._idle = anyio.Event()
         self.group.start_soon(self._promote, key)
 
+    @property
+    def busy(self) -> bool:
+        """Whether a promotion is in flight."""
+        return self._running > 0
+
     async def idle(self) -> None:
         """Return once no promotion is in flight."""
         while self._running:
