@@ -69,17 +69,26 @@ slower, busier machine, all of them started together at the suite's start."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Deal the modules with slow tests out first (their order kept, and the others').
+    """Deal the slow tests out first, interleaved with those that mostly wait.
 
     The workers take units of work in collection order. Alphabetically, modules of one
     or two long jobs (a Slurm cluster, a NeMo-RL driver and its workers) came last and
     ran alone at the end; started first, the short tests fill the other workers meanwhile.
-    A slow test without a timeout of its own gets :data:`SLOW_DEADLINE`.
+    Tests marked ``waits`` (simulated nodes waiting out their mounts' caches, hung
+    mounts, leases) are spread evenly among the slow ones, so that a worker waiting
+    leaves the CPU to the others' jobs rather than all waiting together, and the tests
+    that compute come last, keeping every worker busy to the end. Each group keeps its
+    order. A slow test without a timeout of its own gets :data:`SLOW_DEADLINE`.
     """
-    slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.path not in slow)  # stable: False (slow) first
-    for item in items:
-        if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
+    slow = [item for item in items if item.get_closest_marker("slow") is not None]
+    waits = [item for item in items if item.get_closest_marker("waits") is not None]
+    first = {id(item): i / len(slow) for i, item in enumerate(slow)}
+    first.update(
+        {id(item): i / len(waits) for i, item in enumerate(waits) if id(item) not in first}
+    )
+    items.sort(key=lambda item: first.get(id(item), 2.0))  # stable: the rest keep their order
+    for item in slow:
+        if not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(SLOW_DEADLINE))
 
 

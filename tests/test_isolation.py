@@ -36,6 +36,8 @@ from tests._fuse import BindMount, bindfs_mount
 from tests._nodes import wait_until
 from tests.conftest import DaemonProcess, LineClient
 
+pytestmark = pytest.mark.waits
+
 TIMEOUT = 15.0
 """Liveness bound on anything the tests wait for."""
 STALL = 0.5

@@ -20,6 +20,8 @@ from tests.conftest import DaemonProcess, LineClient
 from tests.test_retention import promote, settle
 from tests.test_server import of
 
+pytestmark = pytest.mark.waits
+
 TIMEOUT = 15.0
 Start = Callable[..., DaemonProcess]
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

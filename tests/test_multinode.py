@@ -14,6 +14,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from tests._node_jobs import (
     SETTLE,
     Job,
@@ -27,6 +29,8 @@ from tests._node_jobs import (
     three,
 )
 from tests._nodes import Cluster, make_cluster
+
+pytestmark = pytest.mark.waits
 
 __all__ = ["make_cluster", "three"]  # the fixtures, imported for pytest
 

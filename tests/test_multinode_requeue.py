@@ -19,8 +19,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from tests._node_jobs import NODE_TIMEOUT, SETTLE, Job, manifest, marked, settles_everywhere
 from tests._nodes import Cluster, make_cluster
+
+pytestmark = pytest.mark.waits
 
 __all__ = ["make_cluster"]  # the fixture, imported for pytest
 

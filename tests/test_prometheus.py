@@ -19,6 +19,8 @@ import pytest
 from tests._system import require_tool
 from tests.conftest import DaemonProcess, LineClient
 
+pytestmark = pytest.mark.waits
+
 TIMEOUT = 30.0
 Start = Callable[..., DaemonProcess]
 

@@ -23,6 +23,8 @@ from tests.conftest import DaemonProcess, LineClient
 from tests.test_server import TIMEOUT, begin, connect, done, error_code, of, ok, write_files
 from tests.test_spanning import Job
 
+pytestmark = pytest.mark.waits
+
 Start = Callable[..., DaemonProcess]
 cluster = test_spanning.cluster
 """The fixture of node daemons sharing one root (``tests/test_spanning.py``)."""

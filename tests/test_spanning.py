@@ -25,6 +25,8 @@ from daemon.config._config import RootConfig, load_config
 from daemon.store._fence import claim
 from tests.conftest import DaemonProcess, LineClient
 
+pytestmark = pytest.mark.waits
+
 Start = Callable[..., DaemonProcess]
 
 
