@@ -168,6 +168,13 @@ class Channel:
         except asyncio.CancelledError:
             pass
         finally:
+            # A barrier whose caller gave up waiting (close() with the daemon down) is
+            # still pending: end it here, or the closed loop reports it destroyed.
+            left = asyncio.all_tasks(self._loop)
+            for task in left:
+                task.cancel()
+            if left:
+                self._loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
             self._loop.close()
 
     def _shutdown(self) -> None:

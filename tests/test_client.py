@@ -55,6 +55,28 @@ class TestDaemonDown:
         with CheckpointClient(str(short_dir / "nobody.sock")) as client:
             assert client.ping(timeout=5.0) is False
 
+    def test_a_process_exits_quietly(self, short_dir: Path, root: Path) -> None:
+        # Its close gives up waiting for acknowledgements; nothing is left behind to be
+        # reported at exit ("Task was destroyed but it is pending!" on stderr).
+        script = (
+            "import sys\n"
+            "from orchestrator import CheckpointClient\n"
+            "client = CheckpointClient(sys.argv[1])\n"
+            "client.begin(sys.argv[2], 1, 0, 1)\n"
+            "client.close(report_timeout=0.0)\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", script, str(short_dir / "nobody.sock"), str(root)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        assert "unreachable" in done.stderr  # said once, as promised
+        assert "Task was destroyed" not in done.stderr, done.stderr
+
 
 @contextlib.contextmanager
 def _accepted(path: Path) -> Iterator[tuple[socket.socket, BinaryIO]]:
