@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import queue
@@ -133,10 +134,8 @@ class Channel:
         self.closed = True
         self._outbox.put(None)
         self._relay_thread.join(timeout=5.0)
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop already ended
             self._loop.call_soon_threadsafe(self._shutdown)
-        except RuntimeError:  # the loop already ended
-            pass
         self._thread.join(timeout=5.0)
 
     # -- the relay and the loop ----------------------------------------------------------
@@ -164,17 +163,13 @@ class Channel:
         asyncio.set_event_loop(self._loop)
         self._main = self._loop.create_task(self._connect_forever())
         try:
-            self._loop.run_until_complete(self._main)
-        except asyncio.CancelledError:
-            pass
+            with contextlib.suppress(asyncio.CancelledError):
+                self._loop.run_until_complete(self._main)
         finally:
-            # A barrier whose caller gave up waiting (close() with the daemon down) is
-            # still pending: end it here, or the closed loop reports it destroyed.
-            left = asyncio.all_tasks(self._loop)
-            for task in left:
+            # End what close() gave up on (a barrier), or the closed loop reports it destroyed.
+            for task in (left := asyncio.all_tasks(self._loop)):
                 task.cancel()
-            if left:
-                self._loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+            self._loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
             self._loop.close()
 
     def _shutdown(self) -> None:
