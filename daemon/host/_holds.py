@@ -1,19 +1,26 @@
-"""Counting the failures whose report waits until their files are dealt with."""
+"""Counting the work under way (failures whose report waits, tasks to finish) to wait on."""
 
 from __future__ import annotations
 
-import anyio
+from collections.abc import Hashable, Iterator
+from typing import Generic, TypeVar
 
-from ..ledger._saves import SaveKey
+import anyio
 
 __all__ = ["Holds"]
 
+K = TypeVar("K", bound=Hashable)
 
-class Holds:
-    """Failures being carried out per save, whose report waits until they are done."""
+
+class Holds(Generic[K]):
+    """Work under way per key (a save's failures, a background task), with a wait for none.
+
+    Each :meth:`hold` is matched by one :meth:`release`; :meth:`idle` returns once
+    nothing is held (shutdown waits: each one journals its outcome).
+    """
 
     def __init__(self) -> None:
-        self._count: dict[SaveKey, int] = {}
+        self._count: dict[K, int] = {}
         self._none: anyio.Event | None = None  # waited on by idle()
 
     def __contains__(self, key: object) -> bool:
@@ -22,12 +29,16 @@ class Holds:
     def __bool__(self) -> bool:
         return bool(self._count)
 
-    def hold(self, key: SaveKey) -> None:
-        """One more failure of ``key`` is being carried out."""
+    def __iter__(self) -> Iterator[K]:
+        """The keys held now (a copy: holding or releasing meanwhile is safe)."""
+        return iter(list(self._count))
+
+    def hold(self, key: K) -> None:
+        """One more piece of work of ``key`` is under way."""
         self._count[key] = self._count.get(key, 0) + 1
 
-    def release(self, key: SaveKey) -> None:
-        """One failure of ``key`` is carried out."""
+    def release(self, key: K) -> None:
+        """One piece of work of ``key`` is done."""
         left = self._count[key] - 1
         if left:
             self._count[key] = left
@@ -38,7 +49,7 @@ class Holds:
             self._none = None
 
     async def idle(self) -> None:
-        """Return once nothing is held (shutdown waits: each one journals its outcome)."""
+        """Return once nothing is held."""
         while self._count:
             if self._none is None:
                 self._none = anyio.Event()

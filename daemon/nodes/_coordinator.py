@@ -77,12 +77,11 @@ class Nodes(Joining):
         self._begun: dict[SaveKey, anyio.Event] = {}  # begins waiting for an attempt
         self._locks: dict[SaveKey, anyio.Lock] = {}
         self._done_written: set[tuple[SaveKey, str]] = set()
-        self._pending = Holds()
+        self._pending: Holds[SaveKey] = Holds()
         self.promote: Callable[[SaveKey], None] | None = None
         """Starts a promotion again (a leader whose rival claim went away)."""
-        self._watches: set[anyio.CancelScope] = set()
+        self._watches: Holds[anyio.CancelScope] = Holds()
         """Each background task's scope, from when it is spawned until it ends."""
-        self._quiet: anyio.Event | None = None  # set when the last of them ends
         self._wakers: dict[SaveKey, Waker] = {}
         self._renamed: dict[SaveKey, float] = {}  # when step_N was first seen unconfirmed
         self._closed = False
@@ -159,7 +158,7 @@ class Nodes(Joining):
         scope = anyio.CancelScope()
         if self._closed:
             scope.cancel()  # its shielded part (a marker, a failure) still runs
-        self._watches.add(scope)
+        self._watches.hold(scope)
         self.group.start_soon(self._guarded, scope, fn, *args)
 
     async def _guarded(
@@ -172,10 +171,7 @@ class Nodes(Joining):
             where = getattr(fn, "__name__", "nodes")
             self._daemon.events.emit("daemon.internal_error", "error", where=where, error=repr(exc))
         finally:
-            self._watches.discard(scope)
-            if not self._watches and self._quiet is not None:
-                self._quiet.set()
-                self._quiet = None
+            self._watches.release(scope)
 
     async def _mark(self, key: SaveKey) -> None:
         daemon = self._daemon
@@ -235,10 +231,8 @@ class Nodes(Joining):
         needs the journal, which stops only after this returns.
         """
         await self._pending.idle()
-        while self._closed and self._watches:
-            if self._quiet is None:
-                self._quiet = anyio.Event()
-            await self._quiet.wait()
+        if self._closed:
+            await self._watches.idle()
 
     def close(self) -> None:
         """Stop every watch (shutdown): a restart watches again from the journal."""

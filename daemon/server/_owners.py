@@ -52,7 +52,7 @@ class AttemptDirs:
         """Where set-asides run; set by ``serve`` before any request is handled."""
         self._ready: dict[tuple[SaveKey, str], anyio.Event] = {}
         self._failed: dict[tuple[SaveKey, str], str] = {}
-        self._pending = Holds()  # set-asides under way, per save
+        self._pending: Holds[SaveKey] = Holds()  # set-asides under way, per save
 
     def reporting(self, key: SaveKey) -> bool:
         """Whether ``key``'s failure is still being set aside, so not yet reported."""
