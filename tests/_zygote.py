@@ -50,6 +50,26 @@ PRELOADS: Mapping[str, tuple[str, ...]] = {
 """What each kind of zygote imports before it forks."""
 
 
+_forked_cpu = 0.0
+_forked_cpu_lock = threading.Lock()
+
+
+def forked_cpu() -> float:
+    """CPU seconds (user + system) of every child of this process's zygotes reaped so far.
+
+    Each child's own and its reaped descendants' (an upload process a rank started), as
+    ``wait4`` reports them to the zygote: the child's parent, which alone can see them.
+    """
+    with _forked_cpu_lock:
+        return _forked_cpu
+
+
+def _count_cpu(seconds: float) -> None:
+    global _forked_cpu
+    with _forked_cpu_lock:
+        _forked_cpu += seconds
+
+
 def enabled() -> bool:
     """Whether ranks are forked from a zygote (``CKPTD_TEST_FORK=0``: never)."""
     return os.environ.get("CKPTD_TEST_FORK", "1") != "0" and hasattr(os, "pidfd_open")
@@ -118,6 +138,7 @@ class ForkedProcess(subprocess.Popen[bytes]):
                 break
             if "status" in reply:
                 self.returncode = int(reply["status"])
+                _count_cpu(float(reply.get("cpu", 0.0)))
                 self._conn.close()
         return self.returncode
 
@@ -139,6 +160,7 @@ class ForkedProcess(subprocess.Popen[bytes]):
                     return False
                 if "status" in reply:
                     self.returncode = int(reply["status"])
+                    _count_cpu(float(reply.get("cpu", 0.0)))
                     self._conn.close()
                     return False
                 if reply.get("stopped"):
@@ -320,10 +342,11 @@ class _Child:
             self._send({"stopped": True})
 
     def reap(self) -> None:
-        """Reap the ended child and send its exit status."""
+        """Reap the ended child and send its exit status and CPU time."""
         os.close(self.pidfd)
-        _, status = os.waitpid(self.pid, 0)
-        self._send({"status": os.waitstatus_to_exitcode(status)})
+        _, status, usage = os.wait4(self.pid, 0)
+        cpu = usage.ru_utime + usage.ru_stime
+        self._send({"status": os.waitstatus_to_exitcode(status), "cpu": round(cpu, 3)})
         self.sock.close()
 
     def _send(self, message: dict[str, Any]) -> None:

@@ -26,6 +26,9 @@ from tests._zygote import zygote
 
 REPO = Path(__file__).resolve().parent.parent
 
+# Every run ends with the test files that cost the most CPU (the suite's budget).
+pytest_plugins = ["tests._cpu_report"]
+
 # The suite's jobs run all their ranks on this machine: a launcher's count of ranks per
 # node, or its run (the suite itself run under torchrun or in a Slurm job), must not
 # reach the clients under test or the rank processes they start.
