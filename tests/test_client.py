@@ -189,7 +189,8 @@ class TestReconnect:
             assert restarted.wait_event("daemon.recovered")["in_flight"] == 1
             restarted.wait_event("save.rank_reconnected", match=lambda e: e["step"] == 7)
             assert (root / "tmp_step_7").is_dir()  # begin() created it
-            client.done(str(root), 7, 0)
+            (root / "tmp_step_7" / "r0.bin").write_bytes(b"0" * 10)
+            client.done(str(root), 7, 0, [FileEntry("r0.bin", 10)])
             assert client.wait(str(root), 7, 30.0).state == "promoted"
         finally:
             client.close(timeout=5.0)
@@ -285,6 +286,8 @@ class TestTrack:
             first.set_result(None)
             assert not handle.wait_local(0)  # one part still in flight: no done
             (root / "tmp_step_3").mkdir(exist_ok=True)
+            (root / "tmp_step_3" / "r0.bin").write_bytes(b"0" * 10)
+            handle.add_files([FileEntry("r0.bin", 10)])
             second.set_result(None)
             assert handle.wait_local(30)
             assert client.wait(str(root), 3, 30.0).state == "promoted"
@@ -364,6 +367,8 @@ class TestBeginNotAwaited:
             daemon.proc.send_signal(signal.SIGCONT)
             assert handle.begun.acknowledged
             (root / "tmp_step_2").mkdir(exist_ok=True)
+            (root / "tmp_step_2" / "r0.bin").write_bytes(b"0" * 10)
+            handle.add_files([FileEntry("r0.bin", 10)])
             future.set_result(None)
             assert client.wait(str(root), 2, 30.0).state == "promoted"
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator import CheckpointClient, DaemonError
+from orchestrator import CheckpointClient, DaemonError, FileEntry
 from orchestrator import protocol as p
 from tests.conftest import DaemonProcess, LineClient
 
@@ -74,6 +74,8 @@ class TestClose:
         client = CheckpointClient(str(daemon.socket_path), begin_timeout=10.0)
         handle = client.save(str(root), 3, 0, 1)
         assert handle.begun.acknowledged
+        (Path(handle.path) / "w.bin").write_bytes(b"w" * 10)
+        handle.add_files([FileEntry("w.bin", 10)])
         daemon.kill()
         handle.seal()  # its done cannot be sent now: the daemon is down
         closer = threading.Thread(target=client.close, daemon=True)
@@ -167,7 +169,8 @@ class TestLongReplies:
             assert client.ping(10.0)
             begun = client.begin(str(root), 100, 0, 1)
             assert begun.acknowledged
-            client.done(str(root), 100, 0)
+            (root / "tmp_step_100" / "w.bin").write_bytes(b"w" * 10)
+            client.done(str(root), 100, 0, [FileEntry("w.bin", 10)])
             assert client.wait(str(root), 100, 30.0).state == "promoted"
         daemon.wait_event("client.disconnected", match=lambda e: e["conn"] > 1)
         assert _connections(daemon) == 2

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import CheckpointClient
+from orchestrator import CheckpointClient, FileEntry
 from orchestrator._nodes import local_world_size, read_environment
 from tests._peer import ScriptedDaemon
 from tests._ranks import free_port, pump_lines, start_rank
@@ -276,7 +276,9 @@ class TestRealDaemon:
         with CheckpointClient(str(daemon.socket_path), begin_timeout=30.0) as client:
             handles = [client.save(str(root), 1, rank, 2) for rank in (0, 1)]
             assert all(h.begun.acknowledged for h in handles)
-            for handle in handles:
+            for rank, handle in enumerate(handles):
+                (Path(handle.path) / f"r{rank}.bin").write_bytes(b"r" * 10)
+                handle.add_files([FileEntry(f"r{rank}.bin", 10)])
                 handle.seal()
             assert client.wait(str(root), 1, 30.0).state == "promoted"
         assert (root / "step_1").is_dir()

@@ -19,12 +19,12 @@ from torch.distributed.checkpoint.filesystem import (
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.state_dict_saver import save
 
+from daemon.store._dcpdir import check_dcp_dir
 from daemon.store._dcpmeta import (
     DcpMetadataError,
     Global,
     Instance,
     ShardRef,
-    check_dcp_dir,
     parse_pickle,
     referenced_shards,
 )

@@ -861,7 +861,7 @@ class TestGc:
             write_files(root / "tmp_step_5", 0)  # fresh orphan: a trainer may be writing it
 
             ok(begin(active, root, 4, 0, 2))
-            write_files(root / "tmp_step_4", 0)
+            step4 = write_files(root / "tmp_step_4", 0)
             set_mtime(root / "tmp_step_4", old)
 
             # Failed step 2 is its set-aside directory: tmp_step_2 no longer exists.
@@ -902,7 +902,7 @@ class TestGc:
             }
             # The active save still promotes after gc.
             ok(begin(client, root, 4, 1, 2))
-            ok(done(active, root, 4, 0, []))
+            ok(done(active, root, 4, 0, step4))
             ok(done(client, root, 4, 1, []))
             assert ok(wait(client, root, 4))["state"] == "promoted"
 

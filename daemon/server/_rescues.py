@@ -8,6 +8,7 @@ checkpoint (an operator's word, for ``ckptd promote`` only).
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, cast
 
@@ -85,7 +86,13 @@ class Rescues:
                 )
             except VerificationError as exc:
                 raise RequestError(p.ErrorCode.UNVERIFIABLE, str(exc)) from None
-        if not manifest.dcp_dirs and nodes is None:  # node markers vouch for every rank
+        # Node markers vouch for every rank; else only a global .metadata does (DCP
+        # writes it once every rank's shards landed). Per-rank __R.metadata cannot: a
+        # rank that wrote nothing leaves no trace of itself.
+        proven = any(
+            posixpath.normpath(f"{d}/.metadata") in manifest.files for d in manifest.dcp_dirs
+        )
+        if not proven and nodes is None:
             raise RequestError(
                 p.ErrorCode.UNVERIFIABLE,
                 f"{tmp} holds no DCP directory (*.distcp with .metadata): "

@@ -11,20 +11,16 @@ values recursively; deeply nested values are only freed, which CPython does iter
 
 from __future__ import annotations
 
-import errno
 import io
-import os
 import pickletools
-import stat
 from dataclasses import dataclass
 from typing import TypeGuard
 
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
-_METADATA_NAME = ".metadata"
 _MAX_STACK = 1 << 20  # values on the stack, all MARK levels together
 _MAX_MARKS = 1000  # MARK nesting; CPython's pickler recurses no deeper than this
 _MAX_KEY_NODES = 1000  # tuple elements walked per dict key / set member
-_MAX_SHOWN = 200  # characters of a hostile path shown in a problem string
+_MAX_SHOWN = 200  # characters of a hostile input shown in a problem string
 
 _PUSH_ARG = frozenset(
     "INT BININT BININT1 BININT2 LONG LONG1 LONG4 STRING BINSTRING SHORT_BINSTRING BINBYTES"
@@ -335,77 +331,3 @@ def referenced_shards(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> lis
             raise DcpMetadataError("_StorageInfo offset/length is not a non-negative int")
         sizes[path] = max(sizes.get(path, 0), offset + length)
     return [ShardRef(path, size) for path, size in sorted(sizes.items())]
-
-
-def _show(path: str) -> str:
-    return path if path.isprintable() and len(path) <= _MAX_SHOWN else ascii(path[:_MAX_SHOWN])
-
-
-def _read_metadata(path: str) -> bytes:
-    """Read a regular file of at most DEFAULT_MAX_BYTES without blocking on FIFOs."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file")
-        data = f.read(DEFAULT_MAX_BYTES + 1)
-    if len(data) > DEFAULT_MAX_BYTES:
-        raise DcpMetadataError(f"larger than {DEFAULT_MAX_BYTES} bytes")
-    return data
-
-
-def _shard_problem(root: str, ref: ShardRef) -> str | None:
-    rel = ref.relative_path
-    if not rel or "\0" in rel:
-        return "invalid path in metadata"
-    if os.path.isabs(rel):
-        return "absolute path in metadata"
-    if ".." in rel.split(os.sep):
-        return "path escapes the checkpoint directory"
-    real = os.path.realpath(os.path.join(root, rel))
-    if os.path.commonpath([root, real]) != root:
-        return "path resolves outside the checkpoint directory"
-    try:
-        st = os.stat(real)
-    except FileNotFoundError:
-        return "missing"
-    except OSError as exc:
-        return f"unreadable ({exc.strerror or exc})"
-    if not stat.S_ISREG(st.st_mode):
-        return "not a regular file"
-    if st.st_size < ref.min_size:
-        return f"{st.st_size} bytes on disk, metadata needs at least {ref.min_size}"
-    return None
-
-
-def check_dcp_dir(path: str) -> list[str]:
-    """Return the problems (empty list = OK) found in one DCP directory.
-
-    Reported: ``.metadata`` missing, unreadable or unparseable; a referenced file
-    missing, not a regular file, or smaller than its ``min_size``; a ``relative_path``
-    that is absolute or escapes the directory (a ``..`` component, or a symlink that
-    resolves outside it). Subdirectories inside the directory are allowed. This does
-    blocking filesystem I/O; callers run it in a worker thread.
-
-    Args:
-        path: The DCP checkpoint directory (the one holding ``.metadata``).
-
-    Returns:
-        Human-readable problems, each prefixed with the offending path relative to
-        ``path``, e.g. ``"__1_0.distcp: 1024 bytes on disk, metadata needs at least
-        4096"``.
-    """
-    try:
-        shards = referenced_shards(_read_metadata(os.path.join(path, _METADATA_NAME)))
-    except FileNotFoundError:
-        return [f"{_METADATA_NAME}: missing"]
-    except OSError as exc:
-        return [f"{_METADATA_NAME}: unreadable ({exc.strerror or exc})"]
-    except DcpMetadataError as exc:
-        return [f"{_METADATA_NAME}: unparseable ({exc})"]
-    root = os.path.realpath(path)
-    problems = []
-    for ref in shards:
-        problem = _shard_problem(root, ref)
-        if problem is not None:
-            problems.append(f"{_show(ref.relative_path)}: {problem}")
-    return problems

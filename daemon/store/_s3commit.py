@@ -8,8 +8,8 @@ Layout of an ``s3://BUCKET/PREFIX`` root (``step_`` is the root's ``final_prefix
 
 Ranks write only under their attempt's own prefix, so a retry never mixes with, nor
 deletes, a failed attempt's objects, and may begin at once. Verification is a paginated
-LIST of that prefix, a GET of each DCP ``.metadata`` (parsed by the inert parser of
-:mod:`daemon.store._dcpmeta`), and the sizes against what ranks reported and what
+LIST of that prefix, a GET of each DCP ``.metadata`` or ``__R.metadata`` (parsed by the
+inert parser of :mod:`daemon.store._dcpmeta`), and the sizes against what ranks reported and what
 ``.metadata`` records. The commit is one ``PUT`` with ``If-None-Match: *`` of a
 :class:`Commit` naming the attempt and every key with its size and ETag: a second
 writer gets 412 and stands down. Readers trust a step only through that object.
@@ -27,6 +27,8 @@ from orchestrator.protocol import ATTEMPT_MARKER, AttemptMarker, FileEntry
 
 from ..base._errors import VerificationError
 from ..config._config import RootConfig
+from ._dcpdir import GLOBAL_METADATA as _GLOBAL
+from ._dcpdir import rank_metadata_rank
 from ._dcpmeta import DcpMetadataError, referenced_shards
 from ._s3client import Bucket, Listed
 from ._verify import Manifest
@@ -145,7 +147,9 @@ def scan_attempt(
 
     Checks: the attempt's own marker names it; every file a rank reported is an object
     of at least its size; every directory with ``*.distcp`` shards has a ``.metadata``
-    whose referenced shards are objects of at least the sizes it records.
+    (or, saved without collectives, a ``__R.metadata`` per rank) whose referenced
+    shards are objects of at least the sizes it records; an attempt with objects that
+    no rank reported and no metadata covers is refused (an unknown save form).
 
     Raises:
         VerificationError: with every problem found (up to a bound), joined by ``; ``.
@@ -174,31 +178,16 @@ def scan_attempt(
                 problems.append(f"{rel} is {got.size} bytes; rank {rank} reported {entry.size}")
     dcp_dirs = sorted(
         {posixpath.dirname(r) or "." for r in objects if r.endswith(".distcp")}
-        | {posixpath.dirname(r) or "." for r in objects if posixpath.basename(r) == ".metadata"}
+        | {posixpath.dirname(r) or "." for r in objects if _is_metadata(posixpath.basename(r))}
     )
     etags: dict[str, str] = {}
     for d in dcp_dirs:
-        meta = ".metadata" if d == "." else f"{d}/.metadata"
-        if meta not in objects:
-            problems.append(f"{where}/{d}: shards without .metadata")
-            continue
-        got_meta = bucket.get(f"{base}/{meta}")
-        if got_meta is None:
-            problems.append(f"{where}/{meta} vanished while it was verified")
-            continue
-        data, etags[meta] = got_meta
-        try:
-            refs = referenced_shards(data, max_bytes=_MAX_METADATA)
-        except DcpMetadataError as exc:
-            problems.append(f"{where}/{meta}: {exc}")
-            continue
-        for ref in refs:
-            rel = posixpath.normpath(ref.relative_path if d == "." else f"{d}/{ref.relative_path}")
-            shard = objects.get(rel)
-            if shard is None:
-                problems.append(f"{where}/{meta} references {rel}, which is missing")
-            elif shard.size < ref.min_size:
-                problems.append(f"{rel} is {shard.size} bytes; .metadata records {ref.min_size}")
+        problems += _check_dcp_dir(bucket, base, where, d, objects, etags)
+    if objects and not dcp_dirs and not any(reported.values()):
+        problems.append(
+            f"{where}: unknown save form, nothing to verify: no rank reported a file, and "
+            "it holds no DCP metadata (.metadata, __R.metadata)"
+        )
     if not objects:
         problems.append(f"{where} holds no objects")
     if problems:
@@ -218,6 +207,72 @@ def scan_attempt(
         attempt=attempt,
     )
     return manifest, objects, etags
+
+
+def _is_metadata(name: str) -> bool:
+    return name == _GLOBAL or rank_metadata_rank(name) is not None
+
+
+def _check_dcp_dir(
+    bucket: Bucket,
+    base: str,
+    where: str,
+    d: str,
+    objects: dict[str, Listed],
+    etags: dict[str, str],
+) -> list[str]:
+    """The problems of one DCP directory of the attempt.
+
+    Its global ``.metadata``, or else each rank's ``__R.metadata``
+    (``use_collectives=False``), which must then cover every ``__R_*.distcp`` shard.
+    The ETag of each metadata read goes to ``etags``.
+    """
+    prefix = "" if d == "." else f"{d}/"
+    names = {
+        r[len(prefix) :] for r in objects if r.startswith(prefix) and "/" not in r[len(prefix) :]
+    }
+    per_rank = sorted(n for n in names if rank_metadata_rank(n) is not None)
+    if _GLOBAL in names:
+        metas = [_GLOBAL, *per_rank]
+    elif per_rank:
+        metas = per_rank
+    else:
+        return [f"{where}/{d}: shards without .metadata"]
+    problems: list[str] = []
+    for name in metas:
+        meta = f"{prefix}{name}"
+        got_meta = bucket.get(f"{base}/{meta}")
+        if got_meta is None:
+            problems.append(f"{where}/{meta} vanished while it was verified")
+            continue
+        data, etags[meta] = got_meta
+        try:
+            refs = referenced_shards(data, max_bytes=_MAX_METADATA)
+        except DcpMetadataError as exc:
+            problems.append(f"{where}/{meta}: {exc}")
+            continue
+        for ref in refs:
+            rel = posixpath.normpath(f"{prefix}{ref.relative_path}")
+            shard = objects.get(rel)
+            if shard is None:
+                problems.append(f"{where}/{meta} references {rel}, which is missing")
+            elif shard.size < ref.min_size:
+                problems.append(f"{rel} is {shard.size} bytes; {name} records {ref.min_size}")
+    if _GLOBAL not in names:
+        ranks = {rank_metadata_rank(n) for n in per_rank}
+        for name in sorted(names):
+            shard_rank = _shard_rank(name)
+            if shard_rank is not None and shard_rank not in ranks:
+                problems.append(f"{prefix}{name}: no __{shard_rank}.metadata covers it")
+    return problems
+
+
+def _shard_rank(name: str) -> int | None:
+    """The rank of a DCP shard ``__R_N.distcp``; None for any other name."""
+    if not (name.startswith("__") and name.endswith(".distcp")):
+        return None
+    rank, _, rest = name[2 : -len(".distcp")].partition("_")
+    return int(rank) if rank.isdigit() and rest.isdigit() else None
 
 
 def verify_commit(bucket: Bucket, commit: Commit, base: str) -> list[str]:

@@ -1,7 +1,9 @@
 """Proof that a save is complete on disk, and the manifest that records it.
 
 Blocking filesystem reads only; the server runs these in worker threads. Nothing here
-unpickles or imports torch: DCP ``.metadata`` is parsed by :mod:`daemon.store._dcpmeta`.
+unpickles or imports torch: DCP ``.metadata`` and ``__R.metadata`` are parsed by
+:mod:`daemon.store._dcpmeta` (checked by :mod:`daemon.store._dcpdir`), safetensors
+headers and their index by :mod:`daemon.store._safetensors`.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from orchestrator.protocol import ATTEMPT_MARKER, FileEntry
 from ..base._errors import VerificationError
 from ..config._config import RootConfig
 from ._attempts import TRASH, read_marker
-from ._dcpmeta import check_dcp_dir
+from ._dcpdir import check_dcp_dir
 from ._markers import CLAIM, is_marker_name
 from ._origin import Origin
+from ._safetensors import check_index, check_safetensors, is_index, is_safetensors
 
 __all__ = ["MANIFEST_NAME", "Manifest", "read_manifest", "scan_save", "verify_checkpoint"]
 
@@ -30,6 +33,7 @@ MANIFEST_NAME: Final = ".ckptd-manifest.json"
 
 _MAX_FILES: Final = 1_000_000
 _MAX_PROBLEMS: Final = 20
+_MAX_LISTED: Final = 5  # files named in the refusal of a step with nothing to verify
 
 
 class Manifest(msgspec.Struct, frozen=True, kw_only=True):
@@ -70,8 +74,12 @@ def scan_save(
     Checks: the tmp directory is a real directory inside the root; it is attempt
     ``attempt``'s (its marker names it; not checked for ""); it holds no symlink leading
     outside it and no special files; every file a rank reported exists with at least its
-    size; every directory with ``*.distcp`` shards has a ``.metadata`` whose referenced
-    shards exist with the sizes it records.
+    size; every directory with ``*.distcp`` shards has a ``.metadata`` (or, saved
+    without collectives, a ``__R.metadata`` per rank) whose referenced shards exist with
+    the sizes it records; every ``*.safetensors`` file's header is well-formed and its
+    tensors' data lies within the file; every safetensors index names files that exist
+    and hold its tensors. A step with nothing to verify (no rank reported a file and
+    none of those forms is there) is refused: its save form is unknown.
 
     Raises:
         VerificationError: with every problem found (up to a bound), joined by ``; ``.
@@ -110,6 +118,7 @@ def scan_save(
             elif stat.S_ISREG(st.st_mode):
                 if not _bookkeeping(rel):
                     files[rel] = st.st_size
+                    problems += _form_problems(rel, item.path)
                 has_shards = has_shards or item.name.endswith(".distcp")
             elif not stat.S_ISDIR(st.st_mode):
                 problems.append(f"{rel}: not a regular file or directory")
@@ -129,6 +138,9 @@ def scan_save(
                 problems.append(
                     f"{entry.path}: {size} bytes on disk, rank {rank} reported {entry.size}"
                 )
+    if not problems and not dcp_dirs and not any(reported.values()):
+        if not any(is_safetensors(os.path.basename(rel)) for rel in files):
+            problems.append(_nothing_to_verify(tmp, files))
     if problems:
         more = len(problems) - _MAX_PROBLEMS
         shown = problems[:_MAX_PROBLEMS] + ([f"... and {more} more"] if more > 0 else [])
@@ -161,6 +173,27 @@ def read_manifest(path: str) -> Manifest:
         raise VerificationError(f"{manifest_path}: missing (not promoted by ckptd?)") from None
     except (OSError, msgspec.DecodeError) as exc:
         raise VerificationError(f"{manifest_path}: unreadable: {exc}") from exc
+
+
+def _form_problems(rel: str, path: str) -> list[str]:
+    """The problems of one file that its save form's own rules find (safetensors)."""
+    name = os.path.basename(rel)
+    if is_safetensors(name):
+        return [f"{rel}: {p}" for p in check_safetensors(path)]
+    if is_index(name):
+        return [f"{rel}: {p}" for p in check_index(path)]
+    return []
+
+
+def _nothing_to_verify(tmp: str, files: dict[str, int]) -> str:
+    """Why a step no report and no metadata vouch for is refused: its form is unknown."""
+    listed = ", ".join(sorted(files)[:_MAX_LISTED])
+    more = len(files) - _MAX_LISTED
+    held = f"it holds {listed}" + (f" and {more} more" if more > 0 else "") if files else "empty"
+    return (
+        f"{tmp}: unknown save form, nothing to verify: no rank reported a file, and it "
+        f"holds no DCP metadata (.metadata, __R.metadata) and no safetensors file ({held})"
+    )
 
 
 def _bookkeeping(rel: str) -> bool:
@@ -202,6 +235,8 @@ def verify_checkpoint(path: str) -> list[str]:
             continue
         if actual != size:
             problems.append(f"{rel}: {actual} bytes, manifest records {size}")
+        else:
+            problems += _form_problems(rel, full)
     for rel_dir in manifest.dcp_dirs:
         full = os.path.normpath(os.path.join(path, rel_dir))
         if not _inside(os.path.realpath(full), real):
