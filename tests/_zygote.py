@@ -34,6 +34,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tests import _zygote_spawn
+
 REPO = Path(__file__).resolve().parent.parent
 
 PRELOADS: Mapping[str, tuple[str, ...]] = {
@@ -287,7 +289,7 @@ def _serve(path: str, kind: str) -> None:
                 return  # the test process ended (its end of our stdin closed)
             if key.data == "accept":
                 conn, _ = listener.accept()
-                child = _fork(conn, listener, selector)
+                child = _fork(conn, listener, selector, path)
                 children[child.pid] = child
             elif key.data == "sigchld":
                 os.read(wake_r, 4096)
@@ -302,6 +304,9 @@ def _serve(path: str, kind: str) -> None:
                     selector.unregister(child.sock)
                 del children[child.pid]
                 child.reap()
+                requester = children.get(child.spawned_by or 0)
+                if requester is not None:  # an upload process a rank spawned: the rank's
+                    requester.extra_cpu += child.cpu
         for child in children.values():
             child.answer_stop()
 
@@ -309,9 +314,14 @@ def _serve(path: str, kind: str) -> None:
 class _Child:
     """A forked rank: its pid, the pidfd that says when it ended, who waits for it."""
 
-    def __init__(self, sock: socket.socket, pid: int) -> None:
+    def __init__(self, sock: socket.socket, pid: int, spawned_by: int | None = None) -> None:
         self.sock = sock
         self.pid = pid
+        self.spawned_by = spawned_by
+        """The rank whose ``multiprocessing`` spawn this is (``tests/_zygote_spawn.py``)."""
+        self.cpu = 0.0
+        self.extra_cpu = 0.0
+        """CPU of the processes it spawned through the zygote, reaped before it."""
         self.pidfd = os.pidfd_open(pid)
         self.asking = True  # its connection is in the selector
         self.wants_stop = False
@@ -345,8 +355,8 @@ class _Child:
         """Reap the ended child and send its exit status and CPU time."""
         os.close(self.pidfd)
         _, status, usage = os.wait4(self.pid, 0)
-        cpu = usage.ru_utime + usage.ru_stime
-        self._send({"status": os.waitstatus_to_exitcode(status), "cpu": round(cpu, 3)})
+        self.cpu = usage.ru_utime + usage.ru_stime + self.extra_cpu
+        self._send({"status": os.waitstatus_to_exitcode(status), "cpu": round(self.cpu, 3)})
         self.sock.close()
 
     def _send(self, message: dict[str, Any]) -> None:
@@ -356,8 +366,10 @@ class _Child:
             pass  # the test process closed its end
 
 
-def _fork(conn: socket.socket, listener: socket.socket, selector: selectors.BaseSelector) -> _Child:
-    data, fds, _, _ = socket.recv_fds(conn, 1024 * 1024, 1)
+def _fork(
+    conn: socket.socket, listener: socket.socket, selector: selectors.BaseSelector, path: str
+) -> _Child:
+    data, fds, _, _ = socket.recv_fds(conn, 1024 * 1024, 256)
     request = json.loads(data)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -366,16 +378,38 @@ def _fork(conn: socket.socket, listener: socket.socket, selector: selectors.Base
         selector.close()
         listener.close()
         conn.close()
-        _child(request, fds[0])
-    os.close(fds[0])
+        if "spawn" in request:  # a forked rank's multiprocessing spawn
+            _become_spawned(request, fds)
+        _child(request, fds[0], path)
+    for fd in fds:
+        os.close(fd)
     conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-    child = _Child(conn, pid)
+    spawned_by = request.get("mount_ns") if "spawn" in request else None
+    child = _Child(conn, pid, spawned_by)
     selector.register(child.pidfd, selectors.EVENT_READ, child)
     selector.register(conn, selectors.EVENT_READ, ("conn", child))
     return child
 
 
-def _child(request: dict[str, Any], out: int) -> None:
+def _become_spawned(request: dict[str, Any], fds: list[int]) -> None:
+    """Become a process a rank spawned (``tests/_zygote_spawn.py``), in its namespace."""
+    code = 1
+    try:
+        rank = int(request["mount_ns"])
+        if os.stat(f"/proc/{rank}/ns/mnt").st_ino != os.stat("/proc/self/ns/mnt").st_ino:
+            _enter_mount_namespace(rank)
+        code = _zygote_spawn.become(request, fds)
+    except BaseException:
+        traceback.print_exc()
+    for out_stream in (sys.stdout, sys.stderr):
+        try:
+            out_stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _child(request: dict[str, Any], out: int, path: str) -> None:
     """Become the rank: its stdio, environment and directory, then run its ``argv``."""
     code = 1
     try:
@@ -393,6 +427,8 @@ def _child(request: dict[str, Any], out: int) -> None:
             _enter_mount_namespace(int(request["mount_ns"]))
         os.environ.clear()
         os.environ.update(request["env"])
+        os.environ[_zygote_spawn.SOCKET_VAR] = path
+        _zygote_spawn.install()
         os.chdir(request["cwd"])
         argv = list(request["argv"])
         unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
