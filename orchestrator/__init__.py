@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from ._dcp import AfterBeginPlanner, async_save, checkpoint_group, default_client
     from ._objstore import latest, open_file, storage_reader, storage_writer
     from ._pending import Begun, PendingBegin
+    from ._sync import save
     from ._tracking import SaveHandle, files_from_metadata
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "files_from_metadata",
     "latest",
     "open_file",
+    "save",
     "storage_reader",
     "storage_writer",
 ]
@@ -50,6 +52,7 @@ _LAZY = {
     "async_save": "._dcp",
     "checkpoint_group": "._dcp",
     "default_client": "._dcp",
+    "save": "._sync",
     "latest": "._objstore",
     "open_file": "._objstore",
     "storage_reader": "._objstore",

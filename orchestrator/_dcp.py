@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copyreg
 import logging
 import os
 import threading
@@ -150,13 +151,11 @@ def async_save(
         log.warning("ckptd: previous %r upload still running; waiting for it", subdir or ".")
         _wait_quietly(previous)
     # The upload waits for the begin's acknowledgement, not the training thread: a
-    # planner that waits first keeps every write after it. (A caller's own planner, or
-    # an upload process the planner would be pickled into, gets the plain order: the
-    # training thread waits, then saves.)
-    gate = "planner" not in kwargs and (
-        kwargs.get("async_checkpointer_type") != AsyncCheckpointerType.PROCESS
-    )
-    planner = AfterBeginPlanner(handle) if gate else None
+    # planner that waits first keeps every write after it (in an upload process, it
+    # waits as DCP pickles it on its way there). A caller's own planner gets the plain
+    # order: the training thread waits, then saves.
+    process = kwargs.get("async_checkpointer_type") == AsyncCheckpointerType.PROCESS
+    planner = AfterBeginPlanner(handle) if "planner" not in kwargs else None
     if planner is not None:
         kwargs["planner"] = planner
     seal = handle is None
@@ -177,7 +176,7 @@ def async_save(
             # Nothing may be written: DCP's plan fails on every rank instead.
             kwargs["planner"] = _RefusedPlanner(_refused(handle, refusal))
     checkpoint_id: str | None
-    lazy = planner is not None and "storage_writer" not in kwargs  # not pickled elsewhere
+    lazy = planner is not None and not process and "storage_writer" not in kwargs
     if is_object_url(root) and lazy and handle is not None:
         # Straight to the store, under the attempt's own prefix, which the begin's reply
         # names: the upload thread learns it, the training thread does not wait for it.
@@ -224,13 +223,22 @@ class AfterBeginPlanner(DefaultSavePlanner):
     collective, so the save fails on every rank before any of them writes. If the
     daemon does not answer within the client's ``begin_timeout``, the save goes on.
 
-    For a save started with ``dcp.async_save`` directly, begin the handle first and
-    pass both to :meth:`CheckpointClient.track`::
+    For a save started with ``dcp.async_save`` (or ``dcp.save``) directly, begin the
+    handle first and pass both to :meth:`CheckpointClient.track`::
 
         handle = client.save(root, step, rank, world_size, wait=False)
         future = dcp.async_save(sd, checkpoint_id=handle.path,
                                 planner=AfterBeginPlanner(handle))
-        client.track(root, step, rank, world_size, future, handle=handle)
+        client.track(root, step, rank, world_size, future, dcp_dir=".", handle=handle)
+
+    With ``async_checkpointer_type=AsyncCheckpointerType.PROCESS`` DCP pickles the
+    planner into its upload process; it does so on its executor's thread, after staging
+    and before the process receives the save. The planner waits for the
+    acknowledgement there, as it is pickled, and what crosses is a plain
+    ``DefaultSavePlanner`` with its settings (or one whose setting up raises, if the
+    daemon refused). So in either mode no byte lands before the ``begin`` is
+    acknowledged, and the training thread never waits. Copying the planner
+    (``copy.deepcopy``) waits and copies the same way.
 
     Args:
         handle: The save whose ``begin`` must be acknowledged first; None to name it
@@ -261,13 +269,40 @@ class AfterBeginPlanner(DefaultSavePlanner):
             SaveRefused: the daemon refused the save's ``begin``.
             RuntimeError: the save was never begun (its save call failed).
         """
+        error = self._gate()
+        if error is not None:
+            raise error
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle as the planner the upload process may run, once the gate opened.
+
+        DCP's process writer pickles the planner on the trainer's side of the process
+        boundary, on its executor's thread: waiting here (bounded by the client's
+        ``begin_timeout``) keeps the save behind the ``begin``, as :meth:`set_up_planner`
+        does in a thread. Locks and the handle stay on this side.
+
+        Returns:
+            A plain ``DefaultSavePlanner`` with this planner's settings; or, if the
+            daemon refused the save (or it was never begun), a planner whose setting up
+            raises, so that DCP's plan fails on every rank before any write.
+        """
+        error = self._gate()
+        if error is not None:
+            return (_RefusedPlanner, (error,))
+        state = {k: v for k, v in vars(self).items() if k not in ("_handle", "_bound")}
+        # copyreg's own helper (what protocols 0 and 1 use): the upload process needs
+        # only torch to rebuild a DefaultSavePlanner from it; typeshed omits it.
+        rebuild = copyreg._reconstructor  # type: ignore[attr-defined]
+        return (rebuild, (DefaultSavePlanner, object, None), state)
+
+    def _gate(self) -> Exception | None:
+        """Wait until the save may write; what to raise instead if it may not."""
         self._bound.wait()
         if self._handle is None:
-            raise RuntimeError("ckptd: the save call failed before the save was begun")
+            return RuntimeError("ckptd: the save call failed before the save was begun")
         refusal = self._handle.refusal
-        if refusal is not None:
-            raise _refused(self._handle, refusal)
-        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        return None if refusal is None else _refused(self._handle, refusal)
 
 
 class _RefusedPlanner(DefaultSavePlanner):
@@ -281,7 +316,7 @@ class _RefusedPlanner(DefaultSavePlanner):
         error: What setting up raises.
     """
 
-    def __init__(self, error: SaveRefused) -> None:
+    def __init__(self, error: Exception) -> None:
         super().__init__()
         self.error = error
 
@@ -294,7 +329,7 @@ class _RefusedPlanner(DefaultSavePlanner):
         """Refuse to plan.
 
         Raises:
-            SaveRefused: always.
+            SaveRefused: always (a ``RuntimeError`` for a save never begun).
         """
         raise self.error
 

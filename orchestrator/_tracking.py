@@ -22,39 +22,11 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from typing import Any, Protocol
 
+from ._forms import files_from_metadata, files_written
 from ._pending import Begun
 from .protocol import ErrorInfo, FileEntry
 
 __all__ = ["SaveHandle", "SaveLink", "describe", "files_from_metadata"]
-
-
-def files_from_metadata(result: Any, dcp_dir: str, group_rank: int) -> list[FileEntry]:
-    """The shard files a DCP save's result says ``group_rank`` wrote, with minimum sizes.
-
-    Args:
-        result: The ``Metadata`` a DCP save future resolves to (anything else gives []).
-        dcp_dir: The DCP directory, relative to the step's tmp directory.
-        group_rank: The writer's rank in the checkpoint process group; DCP names its
-            shards ``__{group_rank}_{n}.distcp``. The coordinator (0) also wrote
-            ``.metadata``.
-
-    Returns:
-        One entry per file.
-    """
-    storage = getattr(result, "storage_data", None)
-    if not isinstance(storage, dict):
-        return []
-    prefix = f"__{group_rank}_"
-    sizes: dict[str, int] = {}
-    for info in storage.values():
-        name = getattr(info, "relative_path", None)
-        if isinstance(name, str) and name.startswith(prefix):
-            end = int(info.offset) + int(info.length)
-            sizes[name] = max(sizes.get(name, 0), end)
-    entries = [FileEntry(os.path.normpath(os.path.join(dcp_dir, n)), s) for n, s in sizes.items()]
-    if group_rank == 0 and storage:  # a writer with nothing in storage_data wrote none
-        entries.append(FileEntry(os.path.normpath(os.path.join(dcp_dir, ".metadata")), 1))
-    return sorted(entries, key=lambda e: e.path)
 
 
 def describe(exc: BaseException, limit: int = 2000) -> str:
@@ -194,15 +166,25 @@ class SaveHandle:
 
         Args:
             future: A ``concurrent.futures.Future`` or an ``AsyncSaveResponse`` (its
-                ``upload_completion`` is tracked).
-            dcp_dir: The DCP directory relative to :attr:`path`; when given, the shard
-                files are taken from the save's resulting metadata.
+                ``upload_completion`` is tracked); or what a finished save returned
+                (the ``Metadata`` of a synchronous ``dcp.save``), taken as done.
+            dcp_dir: The DCP directory relative to :attr:`path`; when given, the files
+                this rank wrote there are reported, whatever the save's form: from the
+                save's resulting metadata (``__R_*.distcp``, and ``.metadata`` or
+                ``__R.metadata``), or for safetensors (``HuggingFaceStorageWriter``)
+                from the directory, by the writer's file names.
             group_rank: This rank in the checkpoint process group (default: ``rank``).
 
         Raises:
             RuntimeError: the handle is already sealed.
         """
-        upload: Future[Any] = getattr(future, "upload_completion", future)
+        tracked: Any = getattr(future, "upload_completion", future)
+        upload: Future[Any]
+        if isinstance(tracked, Future):
+            upload = tracked
+        else:  # a finished save's result
+            upload = Future()
+            upload.set_result(tracked)
         with self._lock:
             if self._sealed:
                 raise RuntimeError("SaveHandle.add after seal(): the step may already be done")
@@ -218,7 +200,7 @@ class SaveHandle:
                 if exc is not None:
                     self._resolve(None, describe(exc))
                     return
-                found = [] if dcp_dir is None else files_from_metadata(fut.result(), dcp_dir, rank)
+                found = [] if dcp_dir is None else self._written(fut.result(), dcp_dir, rank)
             except BaseException as exc:  # a callback boundary: never leave the step hanging
                 self._resolve(None, f"reporting the save's files raised {describe(exc)}")
                 if not isinstance(exc, Exception):
@@ -227,6 +209,10 @@ class SaveHandle:
             self._resolve(found, None)
 
         upload.add_done_callback(on_done)
+
+    def _written(self, result: Any, dcp_dir: str, rank: int) -> list[FileEntry]:
+        directory = os.path.normpath(os.path.join(self.path, dcp_dir))
+        return files_written(result, directory, dcp_dir, rank)
 
     def add_files(self, files: Iterable[FileEntry]) -> None:
         """Record files this rank already wrote synchronously (e.g. a tokenizer)."""
