@@ -24,10 +24,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.hf_storage import (
+    HuggingFaceStorageReader,
+    HuggingFaceStorageWriter,
+)
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import (
+    AsyncCheckpointerType,
+    AsyncSaveResponse,
+)
+from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 import orchestrator
 
@@ -91,9 +99,9 @@ def _save(
     planner = orchestrator.AfterBeginPlanner(handle)
     result: Any
     if form == "sync_raw":
-        result = dcp.save(state, checkpoint_id=handle.path, process_group=group, planner=planner)
+        result = dcp_save(state, checkpoint_id=handle.path, process_group=group, planner=planner)
     elif form == "per_rank":
-        result = dcp.async_save(
+        result = dcp_async_save(
             state,
             checkpoint_id=handle.path,
             process_group=group,
@@ -101,7 +109,7 @@ def _save(
             use_collectives=False,
         )
     elif form == "process":
-        result = dcp.async_save(
+        result = dcp_async_save(
             state,
             checkpoint_id=handle.path,
             process_group=group,
@@ -109,12 +117,12 @@ def _save(
             async_checkpointer_type=AsyncCheckpointerType.PROCESS,
             async_stager=stager,
         )
-        assert isinstance(result, dcp.state_dict_saver.AsyncSaveResponse), result
+        assert isinstance(result, AsyncSaveResponse), result
     else:
         writer = HuggingFaceStorageWriter(
             handle.path, save_distributed=True, enable_consolidation=form == "hf_consolidated"
         )
-        result = dcp.async_save(state, storage_writer=writer, process_group=group, planner=planner)
+        result = dcp_async_save(state, storage_writer=writer, process_group=group, planner=planner)
     upload = getattr(result, "upload_completion", result)
     if isinstance(upload, Future):
         upload.result()  # one upload at a time on the group; and the damage comes after it
@@ -134,9 +142,9 @@ def _load(path: str, step: int, form: str, group: Any) -> bool:
     expected = state_for(rank, step)
     loaded = {k: torch.zeros_like(v) for k, v in expected.items()}
     if form.startswith("hf_"):
-        dcp.load(loaded, storage_reader=HuggingFaceStorageReader(path), process_group=group)
+        dcp_load(loaded, storage_reader=HuggingFaceStorageReader(path), process_group=group)
     else:
-        dcp.load(loaded, checkpoint_id=path, process_group=group)
+        dcp_load(loaded, checkpoint_id=path, process_group=group)
     return all(torch.equal(loaded[k], v) for k, v in expected.items())
 
 

@@ -73,7 +73,8 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
             proc = start_rank([str(WORKER), "--root", str(root)], rank, 2, port, daemon.socket_path)
             procs.append(proc)
             pump_lines(proc, rank, lines.put)
-        result, finished, seen = Job(root), 0, []
+        result, finished = Job(root), 0
+        seen: list[dict[str, Any]] = []
         deadline = time.monotonic() + DEADLINE
         while finished < 2:
             try:
