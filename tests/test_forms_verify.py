@@ -55,7 +55,8 @@ class _AsRank(FileSystemWriter):
         super().set_up_storage_writer(is_coordinator, rank=self.as_rank, use_collectives=False)
 
 
-def _per_rank(directory: Path, ranks: int = 2) -> Path:
+def per_rank_files(directory: Path, ranks: int = 2) -> Path:
+    """A directory of ``ranks`` ranks' files saved without collectives, as torch writes it."""
     for rank in range(ranks):
         save(
             _state(rank),
@@ -75,7 +76,7 @@ class TestPerRankMetadata:
     """Each rank's shards are checked against its own ``__R.metadata``."""
 
     def test_intact_and_loadable(self, tmp_path: Path) -> None:
-        ckpt = _per_rank(tmp_path / "ckpt")
+        ckpt = per_rank_files(tmp_path / "ckpt")
         names = sorted(p.name for p in ckpt.iterdir())
         assert names == ["__0.metadata", "__0_0.distcp", "__1.metadata", "__1_0.distcp"]
         assert check_dcp_dir(str(ckpt)) == []
@@ -89,32 +90,32 @@ class TestPerRankMetadata:
         assert all(torch.equal(loaded[k], v) for k, v in _state(0).items())
 
     def test_a_ranks_metadata_missing(self, tmp_path: Path) -> None:
-        ckpt = _per_rank(tmp_path / "ckpt")
+        ckpt = per_rank_files(tmp_path / "ckpt")
         (ckpt / "__1.metadata").unlink()
         assert check_dcp_dir(str(ckpt)) == [
             "__1_0.distcp: no __1.metadata (rank 1's metadata) covers it"
         ]
 
     def test_a_shard_its_metadata_names_missing(self, tmp_path: Path) -> None:
-        ckpt = _per_rank(tmp_path / "ckpt")
+        ckpt = per_rank_files(tmp_path / "ckpt")
         (ckpt / "__1_0.distcp").unlink()
         assert check_dcp_dir(str(ckpt)) == ["__1_0.distcp: missing"]
 
     def test_a_short_shard(self, tmp_path: Path) -> None:
-        ckpt = _per_rank(tmp_path / "ckpt")
+        ckpt = per_rank_files(tmp_path / "ckpt")
         os.truncate(ckpt / "__0_0.distcp", 100)
         [problem] = check_dcp_dir(str(ckpt))
         assert problem.startswith("__0_0.distcp: 100 bytes on disk, metadata needs at least")
 
     def test_an_unparseable_rank_metadata(self, tmp_path: Path) -> None:
-        ckpt = _per_rank(tmp_path / "ckpt")
+        ckpt = per_rank_files(tmp_path / "ckpt")
         data = (ckpt / "__0.metadata").read_bytes()
         (ckpt / "__0.metadata").write_bytes(data[: len(data) // 2])
         [problem] = check_dcp_dir(str(ckpt))
         assert problem.startswith("__0.metadata: unparseable")
 
     def test_a_global_metadata_is_still_required_without_rank_files(self, tmp_path: Path) -> None:
-        ckpt = _per_rank(tmp_path / "ckpt")
+        ckpt = per_rank_files(tmp_path / "ckpt")
         for rank in (0, 1):
             (ckpt / f"__{rank}.metadata").unlink()
         assert check_dcp_dir(str(ckpt)) == [".metadata: missing"]
@@ -252,7 +253,7 @@ class TestScanSave:
             scan_save(_root(tmp_path), 2, 1, {})
 
     def test_per_rank_metadata(self, tmp_path: Path) -> None:
-        _per_rank(tmp_path / "tmp_step_3" / "model")
+        per_rank_files(tmp_path / "tmp_step_3" / "model")
         assert scan_save(_root(tmp_path), 3, 2, {}).dcp_dirs == ["model"]
         (tmp_path / "tmp_step_3" / "model" / "__0.metadata").unlink()
         with pytest.raises(VerificationError, match="model/__0_0.distcp: no __0.metadata"):

@@ -28,6 +28,7 @@ from daemon.store._s3probe import StoreRefused, probe
 from daemon.store._verify import Manifest
 from orchestrator.protocol import FileEntry
 from tests._s3 import ACCESS_KEY, SECRET_KEY, LyingProxy, S3Server, serve, start_seaweedfs
+from tests.test_forms_verify import per_rank_files
 
 
 @pytest.fixture(scope="module")
@@ -213,6 +214,23 @@ class TestVerify:
         assert storage.verify_checkpoint(root.final_dir(4)) == []
         storage.bucket(root).put(f"step_4/{new}/weights.bin", b"x" * 99)
         assert "weights.bin changed" in storage.verify_checkpoint(root.final_dir(4))[0]
+
+    def test_per_rank_metadata_and_an_unknown_form(self, seaweed: S3Server, tmp_path: Path) -> None:
+        # Files torch wrote without collectives (tests/test_forms_verify.py), uploaded.
+        storage, root, attempt = S3Storage(), s3_root(seaweed), "c" * 16
+        storage.prepare(root, 5, attempt, 2)
+        bucket = storage.bucket(root)
+        local = per_rank_files(tmp_path / "ckpt")
+        for path in sorted(local.iterdir()):
+            bucket.put(f"step_5/{attempt}/model/{path.name}", path.read_bytes())
+        assert storage.scan_save(root, 5, 2, {}, attempt).dcp_dirs == ["model"]
+        bucket.delete(f"step_5/{attempt}/model/__1.metadata")
+        with pytest.raises(VerificationError, match="model/__1_0.distcp: no __1.metadata"):
+            storage.scan_save(root, 5, 2, {}, attempt)
+        storage.prepare(root, 6, attempt, 1)
+        bucket.put(f"step_6/{attempt}/model.pt", b"p" * 10)
+        with pytest.raises(VerificationError, match="unknown save form"):
+            storage.scan_save(root, 6, 1, {0: ()}, attempt)
 
 
 class TestCommitRace:
