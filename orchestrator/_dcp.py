@@ -121,7 +121,10 @@ def async_save(
             (see :meth:`CheckpointClient.begin_nowait`). With ``handle``, the handle's
             ``begin`` already said it: an explicit value must be the same.
         **kwargs: Passed to ``dcp.async_save`` (``async_stager``,
-            ``async_checkpointer_type``, ``storage_writer``, ...).
+            ``async_checkpointer_type``, ``storage_writer``, ``use_collectives``, ...).
+            DCP points a ``storage_writer`` at the step's directory, but a consolidating
+            ``HuggingFaceStorageWriter`` keeps writing its consolidated files where it
+            was built: build it on ``handle.path``.
 
     Returns:
         What ``dcp.async_save`` returned (a future or an ``AsyncSaveResponse``).
