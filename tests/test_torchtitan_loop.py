@@ -15,13 +15,20 @@ daemon's: two complete steps are kept at every point, an incomplete one never co
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests._titan import TitanJob, step_dirs, titan_daemon
 
 pytestmark = pytest.mark.slow
+
+
+def at(step: int) -> Callable[[dict[str, Any]], bool]:
+    """An event matcher for ``step``."""
+    return lambda event: event.get("step") == step
 
 
 def test_cold_then_killed_mid_save_then_resumed(tmp_path: Path) -> None:
@@ -35,16 +42,16 @@ def test_cold_then_killed_mid_save_then_resumed(tmp_path: Path) -> None:
             loaded = first.wait("loaded", rank)
             assert loaded["loaded"] is False and loaded["daemon"] is True
         for step in (1, 2, 3, 4):
-            daemon.wait_event("checkpoint.promoted", match=lambda e, s=step: e["step"] == s)
+            daemon.wait_event("checkpoint.promoted", match=at(step))
         saved_4 = first.wait("saved", 0, step=4)["digest"]
         for step in (1, 2):
-            daemon.wait_event("checkpoint.retired", match=lambda e, s=step: e["step"] == s)
+            daemon.wait_event("checkpoint.retired", match=at(step))
 
         # Step 5: rank 1 never saves, rank 0's upload is in flight. Kill the job.
         first.wait("dying", 1, step=5)
         first.wait("saved", 0, step=5)
         first.kill()
-        failed = daemon.wait_event("checkpoint.failed", match=lambda e: e["step"] == 5)
+        failed = daemon.wait_event("checkpoint.failed", match=at(5))
         assert step_dirs(root) == ["step-3", "step-4"], failed
         assert (root / "latest").resolve().name == "step-4"
 
@@ -56,11 +63,11 @@ def test_cold_then_killed_mid_save_then_resumed(tmp_path: Path) -> None:
             assert loaded["position"] == 4
             assert loaded["digest"] == saved_4
         for step in (5, 6, 7, 8):
-            daemon.wait_event("checkpoint.promoted", match=lambda e, s=step: e["step"] == s)
+            daemon.wait_event("checkpoint.promoted", match=at(step))
         second.wait("closed", 0)
         second.finish()
         for step in (3, 4, 5, 6):
-            daemon.wait_event("checkpoint.retired", match=lambda e, s=step: e["step"] == s)
+            daemon.wait_event("checkpoint.retired", match=at(step))
         assert step_dirs(root) == ["step-7", "step-8"]
         assert (root / "latest").resolve().name == "step-8"
         assert not [p.name for p in root.iterdir() if p.name.startswith("tmp_step_")]
