@@ -23,8 +23,8 @@ import pytest
 
 from tests import _zygote
 
-SHOWN = 10
-"""How many test files the summary lists."""
+SHOWN = int(os.environ.get("CKPTD_TEST_CPU_SHOWN", "10"))
+"""How many test files the summary lists (``CKPTD_TEST_CPU_SHOWN``, default 10)."""
 
 _KEY = "ckptd_cpu_rows"
 _START_KEY = "ckptd_cpu_start"
