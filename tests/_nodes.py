@@ -41,6 +41,7 @@ import pytest
 from tests._fuse import CACHING, in_mount_table
 from tests._node_agent import NodeFs
 from tests._system import require_root, require_tool
+from tests._zygote import zygote
 from tests.conftest import REPO, DaemonProcess, LineClient
 
 __all__ = [
@@ -168,12 +169,22 @@ class SimNode:
     def popen(
         self, cmd: Sequence[str], env: Mapping[str, str] | None = None, **kwargs: Any
     ) -> subprocess.Popen[bytes]:
-        """Start ``cmd`` inside the node (killed, if still running, when the node ends)."""
+        """Start ``cmd`` inside the node (killed, if still running, when the node ends).
+
+        A Python program whose output is piped (stderr with stdout) is forked from the
+        torch zygote into the node's namespace (``tests/_zygote.py``), as its ranks are
+        elsewhere, rather than importing torch afresh.
+        """
         kwargs.setdefault("cwd", REPO)
         full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-        proc: subprocess.Popen[bytes] = subprocess.Popen(
-            [*self.enter(), *cmd], env=full_env, **kwargs
-        )
+        piped = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
+        forked = zygote("torch") if cmd[0] == sys.executable else None
+        if forked is not None and {k: v for k, v in kwargs.items() if k != "cwd"} == piped:
+            proc: subprocess.Popen[bytes] = forked.spawn(
+                cmd[1:], full_env, kwargs["cwd"], mount_ns=self.pid
+            )
+        else:
+            proc = subprocess.Popen([*self.enter(), *cmd], env=full_env, **kwargs)
         self._procs.append(proc)
         return proc
 
