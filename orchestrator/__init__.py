@@ -16,6 +16,7 @@ from .protocol import FileEntry, default_socket_path
 if TYPE_CHECKING:
     from ._client import CheckpointClient
     from ._dcp import AfterBeginPlanner, async_save, checkpoint_group, default_client
+    from ._manager import CheckpointManager
     from ._objstore import latest, open_file, storage_reader, storage_writer
     from ._pending import Begun, PendingBegin
     from ._sync import save
@@ -25,6 +26,7 @@ __all__ = [
     "AfterBeginPlanner",
     "Begun",
     "CheckpointClient",
+    "CheckpointManager",
     "DaemonError",
     "FileEntry",
     "PendingBegin",
@@ -44,6 +46,7 @@ __all__ = [
 
 _LAZY = {
     "CheckpointClient": "._client",
+    "CheckpointManager": "._manager",
     "Begun": "._pending",
     "PendingBegin": "._pending",
     "SaveHandle": "._tracking",

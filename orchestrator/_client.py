@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Any, Final
 
+from . import _exit
 from . import protocol as p
 from ._layout import make_step_dir
 from ._objstore import is_object_url
@@ -134,6 +135,7 @@ class CheckpointClient(OpsClient):
     ) -> tuple[SaveHandle, PendingBegin]:
         pending = self.begin_nowait(root, step, rank, world_size, local_world_size=local_world_size)
         handle = SaveHandle(root, step, rank, pending, self._forget)
+        _exit.watch(self)  # the end of the script must not lose it (``_exit.py``)
         with self._lock:
             self._handles.add(handle)
         if handle.wait_local(0):  # refused before it was added: already forgotten
