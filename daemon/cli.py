@@ -1,7 +1,8 @@
 """``ckptd``: run the daemon and inspect checkpoints.
 
 Exit codes: 0 success; 1 a negative answer (no latest checkpoint, verification
-problems, daemon unreachable, request refused); 2 bad usage or configuration.
+problems, daemon unreachable, request refused); 2 bad usage or configuration, or a
+path that does not exist or is no checkpoint root (the message names it).
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ import anyio
 from .base._errors import ConfigError
 from .base._events import configure_logging
 from .config._config import Config, load_config
+from .config._root import abspath
 from .ops import _inspect as inspect
 from .ops import _queries as queries
 from .ops import _retention_cmds as retention_cmds
 from .ops._commands import add_commands
+from .ops._roots import require_present
 from .server._lifecycle import serve
 from .server._server import VERSION
+from .store._routed import RoutedStorage
 
 __all__ = ["main"]
 
@@ -32,6 +36,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``ckptd`` command line; returns the exit code."""
     args = _parser().parse_args(argv)
     try:
+        if isinstance(getattr(args, "root", None), str):  # serve's --root is a list
+            require_present(RoutedStorage(), abspath(args.root))
         return int(args.func(args))
     except ConfigError as exc:
         print(f"ckptd: {exc}", file=sys.stderr)
@@ -42,7 +48,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         return 0
     except OSError as exc:  # a root that cannot be read (an object store's error says why)
-        print(f"ckptd: {exc.strerror or exc}", file=sys.stderr)
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"ckptd: {where}{exc.strerror or exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
@@ -106,22 +113,33 @@ def _parser() -> argparse.ArgumentParser:
         help="serve Prometheus metrics over HTTP here (TOML metrics_listen; default off)",
     )
 
-    status = command("status", "show every save the daemon knows", queries.status)
+    status = command(
+        "status", "show the daemon's saves in flight, by root and step", queries.status
+    )
     status.add_argument("--json", action="store_true", help="print the raw status object")
+    status.add_argument(
+        "--all",
+        action="store_true",
+        help="also show settled saves (promoted, failed, deleted since); they are counted "
+        "otherwise",
+    )
 
     ls = command("ls", "list a root's checkpoints and in-flight saves", inspect.ls)
     ls.add_argument("root")
     ls.add_argument("--json", action="store_true")
-    _layout_flags(ls)
 
     latest = command("latest", "print the newest promoted checkpoint of ROOT", inspect.latest)
     latest.add_argument("root")
-    _layout_flags(latest)
 
     tail = command("tail", "follow the daemon's events", queries.tail)
     tail.add_argument("--json", action="store_true", help="print events as JSON lines")
 
-    verify = command("verify", "check a promoted checkpoint against its manifest", inspect.verify)
+    verify = command(
+        "verify",
+        "check that a promoted checkpoint's files are present with the sizes its manifest "
+        "records (DCP metadata and safetensors headers too); contents are not checksummed",
+        inspect.verify,
+    )
     verify.add_argument("path")
     verify.add_argument("--json", action="store_true")
 
@@ -148,12 +166,6 @@ def _parser() -> argparse.ArgumentParser:
     retention_cmds.add_commands(command, queries.call, queries.refused)
     add_commands(sub, command)
     return parser
-
-
-def _layout_flags(cmd: argparse.ArgumentParser) -> None:
-    cmd.add_argument("--tmp-prefix", default="tmp_step_", help=argparse.SUPPRESS)
-    cmd.add_argument("--final-prefix", default="step_", help=argparse.SUPPRESS)
-    cmd.add_argument("--pointer", default="latest", help=argparse.SUPPRESS)
 
 
 # -- serve --------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from daemon.cli import main
+from daemon.ops._inspect import NOT_CHECKED
 from tests.conftest import REPO, DaemonProcess
 from tests.test_server import (
     TIMEOUT,
@@ -67,7 +68,7 @@ class TestStatus:
     def test_table(self, start: Start, root: Path, capsys: pytest.CaptureFixture[str]) -> None:
         daemon = start([root])
         populate(daemon, root)
-        code, out, _ = cli(capsys, "status", "--socket", sock(daemon))
+        code, out, _ = cli(capsys, "status", "--all", "--socket", sock(daemon))
         assert code == 0
         lines = out.splitlines()
         assert daemon.proc is not None
@@ -85,7 +86,7 @@ class TestStatus:
             "REASON",
         ]
         rows = {int(line.split()[1]): line.split() for line in lines[3:]}
-        assert sorted(rows) == [1, 2, 3, 4]
+        assert list(rows) == [1, 2, 3, 4]
         assert rows[2][:4] == [str(root), "2", "promoted", "2/2"]
         assert rows[2][-1] == str(root / "step_2")
         assert rows[3][:4] == [str(root), "3", "open", "1/2"]
@@ -212,6 +213,11 @@ class TestLatest:
         self, start: Start, root: Path, nobody: str, capsys: pytest.CaptureFixture[str]
     ) -> None:
         code, out, err = cli(capsys, "latest", str(root), "--socket", nobody)
+        assert (code, out) == (2, "")  # no daemon ever served it
+        assert f"{root} is not a checkpoint root: the daemon at {nobody} does not answer" in err
+        daemon = start([root])
+        assert daemon.stop() == 0
+        code, out, err = cli(capsys, "latest", str(root), "--socket", nobody)
         assert (code, out) == (1, "")
         assert f"{root} has no promoted checkpoint" in err
         daemon = start([root])
@@ -229,6 +235,12 @@ class TestLatest:
         daemon = start([other])
         (root / "step_5").mkdir()
         (root / "latest").symlink_to("step_5")
+        # No daemon serves it and none ever did (no layout file): it is no root.
+        code, out, err = cli(capsys, "latest", str(root), "--socket", sock(daemon))
+        assert (code, out) == (2, "")
+        assert f"{root} is not a checkpoint root" in err and str(other) in err
+        # A root a daemon served (another node's, one since reconfigured) is read as is.
+        (root / ".ckptd-layout.json").write_bytes((other / ".ckptd-layout.json").read_bytes())
         code, out, _ = cli(capsys, "latest", str(root), "--socket", sock(daemon))
         assert (code, out) == (0, f"{root / 'step_5'}\n")
 
@@ -267,17 +279,27 @@ class TestVerify:
 
     def test_ok(self, checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
         code, out, _ = cli(capsys, "verify", str(checkpoint))
-        assert (code, out) == (0, f"{checkpoint}: OK\n")
+        assert code == 0
+        assert out.splitlines() == [
+            f"{checkpoint}: OK",
+            "  checked: 4 files, 400 B: each present, inside the checkpoint, with the size "
+            "its manifest records",
+            f"  not checked: {NOT_CHECKED}",
+        ]
         code, out, _ = cli(capsys, "verify", "--json", str(checkpoint))
         assert code == 0
-        assert json.loads(out) == {"path": str(checkpoint), "ok": True, "problems": []}
+        report = json.loads(out)
+        assert (report["path"], report["ok"], report["problems"]) == (str(checkpoint), True, [])
+        assert report["not_checked"] == [NOT_CHECKED] and len(report["checked"]) == 1
 
     def test_truncated(self, checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
         with open(checkpoint / "model" / "rank1-0.bin", "r+b") as fh:
             fh.truncate(7)
         code, out, _ = cli(capsys, "verify", str(checkpoint))
         assert code == 1
-        assert out == f"{checkpoint}: model/rank1-0.bin: 7 bytes, manifest records 100\n"
+        assert (
+            out.splitlines()[0] == f"{checkpoint}: model/rank1-0.bin: 7 bytes, manifest records 100"
+        )
 
     def test_deleted(self, checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
         (checkpoint / "model" / "rank0-1.bin").unlink()
@@ -297,7 +319,7 @@ class TestVerify:
         shard.symlink_to(outside)
         code, out, _ = cli(capsys, "verify", str(checkpoint))
         assert code == 1
-        assert out == f"{checkpoint}: model/rank0-0.bin: leaves the checkpoint\n"
+        assert out.splitlines()[0] == f"{checkpoint}: model/rank0-0.bin: leaves the checkpoint"
 
     def test_not_promoted_by_ckptd(
         self, tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -7,7 +7,14 @@ from typing import Any
 
 from orchestrator.protocol import ErrorCode
 
-__all__ = ["CkptdError", "ConfigError", "PromotionError", "RequestError", "VerificationError"]
+__all__ = [
+    "CkptdError",
+    "ConfigError",
+    "PromotionError",
+    "RequestError",
+    "UnknownRoot",
+    "VerificationError",
+]
 
 
 class CkptdError(Exception):
@@ -16,6 +23,10 @@ class CkptdError(Exception):
 
 class ConfigError(CkptdError, ValueError):
     """Raised when flags, the TOML file or the environment describe an unusable setup."""
+
+
+class UnknownRoot(ConfigError):
+    """Raised by an operator's command given a path that does not exist or is no root."""
 
 
 class RequestError(CkptdError, ValueError):

@@ -22,6 +22,10 @@ from ..config._config import Config, default_socket_path, load_config
 
 __all__ = ["HEALTH_TIMEOUT", "add_commands", "check_config", "health"]
 
+_COMMIT: Final = ".ckptd-commit.json"
+"""An ``s3://`` root's commit object (``store._s3commit.COMMIT_NAME``, not imported: it
+would load botocore into every ``ckptd health``)."""
+
 HEALTH_TIMEOUT: Final = 5.0
 """Seconds ``health`` waits for the daemon by default (below a probe's usual timeout)."""
 
@@ -113,10 +117,17 @@ def summary(config: Config) -> list[str]:
     ]
     for root in config.roots:
         named = f" (configured as {root.named})" if root.named else ""
-        lines.append(
-            f"  {root.path}{named}: {root.tmp_prefix}N -> {root.final_prefix}N, "
-            f"pointer {root.pointer}"
-        )
+        if root.on_object_store:  # nothing is renamed there: a commit object decides
+            lines.append(
+                f"  {root.path}{named}: each attempt writes {root.final_prefix}N/ATTEMPT/, "
+                f"committed by {root.final_prefix}N/{_COMMIT}, pointer {root.pointer} "
+                "(an object)"
+            )
+        else:
+            lines.append(
+                f"  {root.path}{named}: {root.tmp_prefix}N -> {root.final_prefix}N, "
+                f"pointer {root.pointer}"
+            )
         if root.retention is not None:
             lines.append(
                 f"    retention: {root.retention.policy.describe()}"

@@ -1,7 +1,9 @@
 """``ckptd ls``, ``latest`` and ``verify``: what a root holds, read from the root itself.
 
 They work with the daemon down (the root is the truth); a running daemon only adds its
-layout and the state of saves in flight.
+layout and the state of saves in flight. A path that does not exist or is no root is
+refused with its name (:mod:`daemon.ops._roots`). ``verify`` prints what it compared
+and what it never does (contents), so that its OK is not read as more than it is.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, Final
 
 from orchestrator import protocol as p
 
@@ -20,31 +22,22 @@ from ..config._root import abspath
 from ..config._s3 import is_s3_url
 from ..store._attempts import TRASH
 from ..store._routed import RoutedStorage
+from ..store._safetensors import is_index, is_safetensors
 from ..store._storage import Storage
 from ..store._verify import Manifest
 from . import _retention_cmds as retention_cli
-from ._queries import Unreachable, call, daemon_status, refused, retention, table
+from ._queries import Unreachable, call, daemon_status, refused, retention, socket_of, table
+from ._roots import require_present, resolve_root
 
-__all__ = ["latest", "ls", "root_layout", "verify"]
-
-
-def root_layout(args: argparse.Namespace, status: dict[str, Any] | None) -> RootConfig:
-    """The root's directory names: the daemon's configuration when it answers."""
-    path = abspath(args.root)
-    real = path if is_s3_url(path) else os.path.realpath(path)
-    names = {"tmp_prefix": args.tmp_prefix, "final_prefix": args.final_prefix}
-    names["pointer"] = args.pointer
-    for layout in (status or {}).get("layouts", []):
-        if layout["path"] in (path, real):
-            names = {k: layout[k] for k in ("tmp_prefix", "final_prefix", "pointer")}
-    return RootConfig(path=real, real=real, **names)
+__all__ = ["NOT_CHECKED", "NOT_CHECKED_S3", "latest", "ls", "verify"]
 
 
 def ls(args: argparse.Namespace) -> int:
+    """``ckptd ls ROOT``: the root's checkpoints, saves in flight and set-aside attempts."""
     status = daemon_status(args)
-    root = root_layout(args, status)
-    known = {s["step"]: s for s in (status or {}).get("saves", []) if s["root"] == root.path}
     storage = RoutedStorage()
+    root = resolve_root(storage, args.root, status, socket_of(args))
+    known = {s["step"]: s for s in (status or {}).get("saves", []) if s["root"] == root.path}
     latest = storage.read_pointer(root)
     kept = retention_cli.kept_column(retention(args, root) if status else None)
     rows: list[dict[str, Any]] = []
@@ -66,6 +59,8 @@ def ls(args: argparse.Namespace) -> int:
             )
         elif (step := root.parse_step(name, root.tmp_prefix)) is not None:
             save = known.get(step)
+            if root.on_object_store:  # no tmp_step_N there: the step's attempt prefixes
+                full = (save or {}).get("path") or f"{root.final_dir(step)}/"
             rows.append(
                 {
                     "step": step,
@@ -75,7 +70,8 @@ def ls(args: argparse.Namespace) -> int:
                     "latest": False,
                 }
             )
-    rows += _set_aside_rows(storage, root, known)
+    promoted = {r["step"] for r in rows if r["state"] == "promoted"}
+    rows += _set_aside_rows(storage, root, known, promoted)
     rows.sort(key=lambda r: (r["step"], r["state"]))
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -98,9 +94,13 @@ def ls(args: argparse.Namespace) -> int:
 
 
 def _set_aside_rows(
-    storage: Storage, root: RootConfig, known: dict[int, dict[str, Any]]
+    storage: Storage, root: RootConfig, known: dict[int, dict[str, Any]], promoted: set[int]
 ) -> list[dict[str, Any]]:
-    """Failed attempts' directories in the root's trash, kept until ``gc``."""
+    """Failed attempts' directories in the root's trash, kept until ``gc``.
+
+    The attempt of a step promoted since (saved again) is an ``old attempt``: the step
+    itself is no longer set aside.
+    """
     trash = os.path.join(root.path, TRASH)
     try:
         names = storage.set_aside_entries(root)
@@ -115,10 +115,11 @@ def _set_aside_rows(
         full = os.path.join(trash, name)
         save = known.get(step)
         ours = save is not None and save.get("set_aside") == full
+        state = "old attempt" if step in promoted else "set aside"
         rows.append(
             {
                 "step": step,
-                "state": save["state"] if ours and save else "set aside",
+                "state": save["state"] if ours and save else state,
                 "path": full,
                 "attempt": tail.rsplit("-", 1)[0],
                 "reason": save.get("reason") if ours and save else None,
@@ -136,17 +137,22 @@ def _manifest(storage: Storage, path: str) -> Manifest | None:
 
 
 def latest(args: argparse.Namespace) -> int:
-    root = root_layout(args, None)
-    try:
-        reply = call(args, p.Latest(id=1, root=root.path), 5.0)
-    except Unreachable:
-        reply = None  # the pointer on disk is the truth; the daemon only adds layout
+    """``ckptd latest ROOT``: the newest promoted checkpoint, from the daemon or the root."""
+    status = daemon_status(args)
+    storage = RoutedStorage()
+    root = resolve_root(storage, args.root, status, socket_of(args))
+    served = any(layout["path"] == root.path for layout in (status or {}).get("layouts", []))
+    reply = None
+    if served:
+        try:
+            reply = call(args, p.Latest(id=1, root=root.path), 5.0)
+        except Unreachable:
+            reply = None  # the pointer in the root is the truth; the daemon only adds layout
     if reply is not None and reply["ok"]:
         print(reply["path"])
         return 0
-    if reply is not None and reply["error"]["code"] != p.ErrorCode.ROOT_NOT_CONFIGURED:
+    if reply is not None:
         return refused(reply)
-    storage = RoutedStorage()
     step = storage.latest_promoted(root)
     if step is None:
         print(f"ckptd: {root.path} has no promoted checkpoint", file=sys.stderr)
@@ -155,16 +161,69 @@ def latest(args: argparse.Namespace) -> int:
     return 0
 
 
+NOT_CHECKED: Final = (
+    "contents: no file is read whole and no checksum is compared, so a changed byte "
+    "that keeps a file's size is not found"
+)
+"""What ``verify`` never checks on a filesystem root, printed with every verdict so that
+OK is not misread."""
+NOT_CHECKED_S3: Final = (
+    "contents: no object is read and no checksum is computed; an ETag shows an object "
+    "replaced since the commit, not bytes written wrong before it"
+)
+"""What ``verify`` never checks on an ``s3://`` root."""
+
+
 def verify(args: argparse.Namespace) -> int:
-    problems = RoutedStorage().verify_checkpoint(abspath(args.path))
+    """``ckptd verify PATH``: what was checked, and each problem found (exit 1) or OK."""
+    storage = RoutedStorage()
+    path = abspath(args.path)
+    require_present(storage, path)
+    problems = storage.verify_checkpoint(path)
+    checked = [] if problems else _checked(storage, path)
+    unchecked = NOT_CHECKED_S3 if is_s3_url(path) else NOT_CHECKED
     if args.json:
-        print(json.dumps({"path": args.path, "ok": not problems, "problems": problems}))
-    elif problems:
-        for problem in problems:
-            print(f"{args.path}: {problem}")
-    else:
+        report = {"path": args.path, "ok": not problems, "problems": problems}
+        print(json.dumps({**report, "checked": checked, "not_checked": [unchecked]}))
+        return 1 if problems else 0
+    for problem in problems:
+        print(f"{args.path}: {problem}")
+    if not problems:
         print(f"{args.path}: OK")
+        for line in checked:
+            print(f"  checked: {line}")
+    print(f"  not checked: {unchecked}")
     return 1 if problems else 0
+
+
+def _checked(storage: Storage, path: str) -> list[str]:
+    """What :meth:`Storage.verify_checkpoint` compared, read back from the manifest."""
+    manifest = _manifest(storage, path)
+    if manifest is None:
+        return []
+    size = f"{len(manifest.files)} files, {_human(manifest.bytes)}"
+    if is_s3_url(path):
+        return [
+            (
+                f"{size}: each object its commit object names is present with the size "
+                "and ETag recorded at the commit"
+            )
+        ]
+    names = [os.path.basename(rel) for rel in manifest.files]
+    tensors = sum(1 for name in names if is_safetensors(name))
+    indexes = sum(1 for name in names if is_index(name))
+    lines = [f"{size}: each present, inside the checkpoint, with the size its manifest records"]
+    if manifest.dcp_dirs:
+        lines.append(
+            f"DCP metadata: {len(manifest.dcp_dirs)} directories, each with metadata "
+            "naming shards that are present and at least the sizes it records"
+        )
+    if tensors or indexes:
+        lines.append(
+            f"safetensors: the headers of {tensors} files and {indexes} index files "
+            "parse, and every tensor lies within its file"
+        )
+    return lines
 
 
 def _human(n: int | None) -> str:

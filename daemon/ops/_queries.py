@@ -12,7 +12,7 @@ import socket
 import sys
 from collections.abc import Iterator
 from datetime import datetime
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 
@@ -20,6 +20,7 @@ from orchestrator import protocol as p
 
 from ..config._config import RootConfig, default_socket_path
 from ..config._root import abspath
+from ..store._routed import RoutedStorage
 from . import _retention_cmds as retention_cli
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "promote",
     "refused",
     "retention",
+    "socket_of",
     "status",
     "table",
     "tail",
@@ -55,8 +57,18 @@ def requests(path: str, request: p.Request, timeout: float | None) -> Iterator[d
             yield msgspec.json.decode(line)
 
 
+def socket_of(args: argparse.Namespace) -> str:
+    """The daemon socket a command talks to: ``--socket``, else the default."""
+    return str(args.socket or default_socket_path())
+
+
 def call(args: argparse.Namespace, request: p.Request, timeout: float = 10.0) -> dict[str, Any]:
-    path = args.socket or default_socket_path()
+    """Send ``request``; the daemon's reply to it.
+
+    Raises:
+        Unreachable: the socket cannot be reached, or closed before the reply.
+    """
+    path = socket_of(args)
     for reply in requests(path, request, timeout):
         if reply.get("id") == request.id:
             return reply
@@ -70,6 +82,7 @@ def refused(reply: dict[str, Any]) -> int:
 
 
 def status(args: argparse.Namespace) -> int:
+    """``ckptd status``: the saves in flight by step (``--all``: settled ones too)."""
     reply = call(args, p.Status(id=1))
     if not reply["ok"]:
         return refused(reply)
@@ -83,19 +96,59 @@ def status(args: argparse.Namespace) -> int:
             f"stalled: {stall['root'] or 'journal'}: {stall['call']} blocked "
             f"{stall['blocked_s']:.1f}s ({stall['running']} running, {stall['queued']} queued)"
         )
+    saves = sorted(reply["saves"], key=lambda s: (s["root"], s["step"]))
+    settled = [s for s in saves if s["state"] in _SETTLED]
+    shown = saves if args.all else [s for s in saves if s["state"] not in _SETTLED]
+    gone = _deleted(reply, settled) if args.all else set()
     rows = [
         [
             s["root"],
             str(s["step"]),
-            s["state"],
+            "deleted" if (s["root"], s["step"]) in gone else s["state"],
             _ranks_summary(s),
             f"{s['age_s']:.1f}s",
-            s.get("reason") or s.get("path") or "",
+            "promoted, since removed from the root"
+            if (s["root"], s["step"]) in gone
+            else s.get("reason") or s.get("path") or "",
         ]
-        for s in reply["saves"]
+        for s in shown
     ]
-    table(["ROOT", "STEP", "STATE", "RANKS DONE", "AGE", "PATH / REASON"], rows)
+    if rows:
+        table(["ROOT", "STEP", "STATE", "RANKS DONE", "AGE", "PATH / REASON"], rows)
+    else:
+        print("no saves in flight")
+    if settled and not args.all:
+        print(
+            f"{len(settled)} settled saves (promoted or failed) not shown; "
+            "`ckptd status --all` shows them"
+        )
     return 0
+
+
+_SETTLED: Final = frozenset({p.SaveState.PROMOTED, p.SaveState.FAILED})
+
+
+def _deleted(reply: dict[str, Any], settled: list[dict[str, Any]]) -> set[tuple[str, int]]:
+    """The promoted saves whose checkpoint is no longer in the root (removed since)."""
+    storage = RoutedStorage()
+    layouts = {layout["path"]: layout for layout in reply.get("layouts", [])}
+    gone: set[tuple[str, int]] = set()
+    for path in {s["root"] for s in settled if s["state"] == p.SaveState.PROMOTED}:
+        layout = layouts.get(path)
+        names = {k: layout[k] for k in ("tmp_prefix", "final_prefix", "pointer")} if layout else {}
+        root = RootConfig(path=path, real=path, **names)
+        try:
+            present = set(storage.entries(root))
+        except OSError:
+            continue  # an unreadable root: the daemon's word stands
+        gone |= {
+            (path, s["step"])
+            for s in settled
+            if s["root"] == path
+            and s["state"] == p.SaveState.PROMOTED
+            and f"{root.final_prefix}{s['step']}" not in present
+        }
+    return gone
 
 
 def _ranks_summary(save: dict[str, Any]) -> str:

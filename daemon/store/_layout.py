@@ -16,7 +16,32 @@ from orchestrator.protocol import LAYOUT_FILE, RootInfo
 from ..config._config import RootConfig
 from ._durable import write_atomic
 
-__all__ = ["write_layout"]
+_MAX_LAYOUT = 65536
+
+
+def decode_layout(data: bytes) -> RootInfo | None:
+    """A layout file's contents as :class:`RootInfo`; None if they are not one."""
+    try:
+        return msgspec.json.decode(data, type=RootInfo)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def read_layout(root: RootConfig) -> RootInfo | None:
+    """``ROOT/.ckptd-layout.json``, if a daemon wrote it. Blocking I/O.
+
+    Raises:
+        OSError: the root cannot be read (not when it or the file is missing).
+    """
+    try:
+        with open(os.path.join(root.path, LAYOUT_FILE), "rb") as fh:
+            data = fh.read(_MAX_LAYOUT)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return decode_layout(data)
+
+
+__all__ = ["decode_layout", "read_layout", "write_layout"]
 
 
 def write_layout(root: RootConfig) -> bool:

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Final
 
-from orchestrator.protocol import AttemptMarker, FileEntry
+from orchestrator.protocol import AttemptMarker, FileEntry, RootInfo
 
 from ..config._config import RootConfig
 from . import (
@@ -125,6 +125,10 @@ class LocalStorage:
     def entries(self, root: RootConfig) -> list[str]:
         """See :meth:`daemon.store._storage.Storage.entries`."""
         return sorted(os.listdir(root.path))
+
+    def read_layout(self, root: RootConfig) -> RootInfo | None:
+        """See :func:`daemon.store._layout.read_layout`."""
+        return _layout.read_layout(root)
 
     def set_aside_entries(self, root: RootConfig) -> list[str]:
         """See :meth:`daemon.store._storage.Storage.set_aside_entries`."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
-from orchestrator.protocol import AttemptMarker, FileEntry
+from orchestrator.protocol import AttemptMarker, FileEntry, RootInfo
 
 from ..config._config import RootConfig
 from ..config._s3 import is_s3_url
@@ -87,6 +87,10 @@ class RoutedStorage:
     def set_aside_entries(self, root: RootConfig) -> list[str]:
         """See :meth:`daemon.store._storage.Storage.set_aside_entries`."""
         return self._for(root).set_aside_entries(root)
+
+    def read_layout(self, root: RootConfig) -> RootInfo | None:
+        """See :meth:`daemon.store._storage.Storage.read_layout`."""
+        return self._for(root).read_layout(root)
 
     def identity(self, path: str) -> tuple[int, int]:
         """See :meth:`daemon.store._storage.Storage.identity`."""

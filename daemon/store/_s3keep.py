@@ -21,11 +21,14 @@ from typing import Final, Protocol, TypeVar
 
 import msgspec
 
+from orchestrator.protocol import LAYOUT_FILE, RootInfo
+
 from ..config._config import RootConfig
 from . import _s3commit as commits
 from . import _s3pointers as pointers
 from ._facts import StepRetention
 from ._gc import KeptEntry, TmpDir
+from ._layout import decode_layout
 from ._s3client import Bucket, Listed, StoreError
 from ._s3commit import Commit
 from ._steps import Found, ManifestCache
@@ -74,7 +77,12 @@ class S3Keep:
     """gc, retention and facts of ``s3://`` roots; mixed into :class:`S3Storage`."""
 
     def entries(self: _Roots, root: RootConfig) -> list[str]:
-        """The root's names: ``step_N`` (committed), ``tmp_step_N`` (not yet), pointers."""
+        """The root's names: ``step_N`` (committed), ``tmp_step_N`` (not yet), pointers.
+
+        A ``step_N/`` prefix with neither a commit object nor an attempt marker is left
+        out: a retired step's (some stores, SeaweedFS among them, keep listing an
+        emptied prefix), or none of ckptd's.
+        """
         bucket = self.bucket(root)
         names: set[str] = set()
         for item in bucket.listing("", delimiter=True):
@@ -85,7 +93,7 @@ class S3Keep:
                     names.add(name)
                 elif bucket.head(commits.commit_name(root, step)) is not None:
                     names.add(name)
-                else:
+                elif bucket.head(commits.marker_name(root, step)) is not None:
                     names.add(f"{root.tmp_prefix}{step}")
             else:
                 names.add(item.key)
@@ -94,6 +102,11 @@ class S3Keep:
     def set_aside_entries(self, root: RootConfig) -> list[str]:
         """Nothing is ever moved into a trash on an object store."""
         return []
+
+    def read_layout(self: _Roots, root: RootConfig) -> RootInfo | None:
+        """The root's ``.ckptd-layout.json`` object, if a daemon wrote it."""
+        got = self.bucket(root).get(LAYOUT_FILE)
+        return None if got is None else decode_layout(got[0])
 
     def tmp_dirs(
         self: _Roots,

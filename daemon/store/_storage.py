@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Protocol
 
-from orchestrator.protocol import AttemptMarker, FileEntry
+from orchestrator.protocol import AttemptMarker, FileEntry, RootInfo
 
 from ..config._config import RootConfig
 from ._attempts import Prepared, StagedMarker
@@ -67,6 +67,10 @@ class Storage(Protocol):
 
     def set_aside_entries(self, root: RootConfig) -> list[str]:
         """The names in the root's trash (failed attempts set aside), sorted."""
+        ...
+
+    def read_layout(self, root: RootConfig) -> RootInfo | None:
+        """The root's layout file, written by a daemon that serves it; None if absent."""
         ...
 
     def identity(self, path: str) -> tuple[int, int]:
