@@ -2,27 +2,23 @@
 
 Run one process per rank (``torchrun --nproc-per-node 2 examples/train.py ROOT``). A tiny
 causal transformer language model (plain torch, no download) trains on random tokens
-with AdamW under DDP (gloo, CPU). Every ``--every`` steps each rank hands the model and
-optimizer state to ``dcp.async_save`` through ``orchestrator.async_save`` and goes
-straight back to training; the node's ckptd promotes ``tmp_step_N`` to ``step_N`` once
-every rank's uploads have landed. On start it resumes from the newest promoted
-checkpoint, if any. The root may be an object store (``s3://BUCKET/PREFIX``): each rank
-then uploads straight to it, and ckptd commits each step with one conditional write.
+with AdamW under DDP (gloo, CPU), through ``orchestrator.CheckpointManager``: every
+``--every`` steps each rank hands the model and optimizer to it (``dcp.async_save``
+under it) and goes straight back to training; the node's ckptd promotes ``tmp_step_N``
+to ``step_N`` once every rank's uploads have landed. On start it resumes from the
+newest promoted checkpoint, if any. The root may be an object store
+(``s3://BUCKET/PREFIX``): each rank then uploads straight to it, and ckptd commits each
+step with one conditional write.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import re
 import time
-from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.nn import functional
 from torch.nn.parallel import DistributedDataParallel
 
@@ -69,26 +65,6 @@ def build_model() -> torch.nn.Module:
     return TinyLM()
 
 
-def latest_checkpoint(root: str) -> tuple[int, str] | None:
-    """The step and the path (or URL) of the root's ``latest`` checkpoint (ckptd's word).
-
-    On a filesystem the ``latest`` symlink; on an object store (``s3://``) one GET of the
-    ``latest`` pointer object, which names only a committed step.
-    """
-    where = orchestrator.latest(root)
-    if where is None:
-        return None
-    match = re.search(r"/step_(\d+)(?:/[0-9a-f]+)?$", where)
-    return (int(match.group(1)), where) if match else None
-
-
-def load_dir(path: str) -> dict[str, Any]:
-    """``dcp.load``'s arguments for a DCP directory on a filesystem or an object store."""
-    if path.startswith("s3://"):
-        return {"checkpoint_id": path, "storage_reader": orchestrator.storage_reader(path)}
-    return {"checkpoint_id": path}
-
-
 def main() -> None:
     """Train, checkpointing every ``--every`` steps through the node's ckptd."""
     parser = argparse.ArgumentParser(description=__doc__)
@@ -99,73 +75,52 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="rank %(process)d: %(message)s")
 
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     torch.set_num_threads(1)
     model = build_model()
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    client = orchestrator.CheckpointClient()
+    # Each name is a DCP directory of the step (model/, optim/); the step is promoted
+    # once both have landed on every rank.
+    state = {"model": model, "optim": optimizer}
 
-    start = 0
-    found = latest_checkpoint(args.root)
-    if found is not None:
-        resume, step_dir = found
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp_load({"model": model_sd}, **load_dir(f"{step_dir}/model"))
-        dcp_load({"optim": optim_sd}, **load_dir(f"{step_dir}/optim"))
-        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-        start = resume
-        if rank == 0:
-            print(f"[train] resumed from {step_dir}", flush=True)
-
-    gen = torch.Generator().manual_seed(1234 + rank)
-    for step in range(start + 1, start + args.steps + 1):
-        tokens = torch.randint(0, 512, (4, 64), generator=gen)
-        loss = ddp(tokens)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if step % args.every:
-            continue
-        began = time.perf_counter()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        # Model and optimizer are two DCP directories of one step: one handle, sealed
-        # after both, so the step is promoted only when both have landed on every rank.
-        handle = client.save(args.root, step, rank, world)
-        orchestrator.async_save(
-            {"model": model_sd}, root=args.root, step=step, subdir="model", handle=handle
-        )
-        orchestrator.async_save(
-            {"optim": optim_sd}, root=args.root, step=step, subdir="optim", handle=handle
-        )
-        if rank == 0:  # the step's directory exists once save() has returned
-            info = json.dumps({"step": step, "loss": loss.item()}).encode()
-            with orchestrator.open_file(f"{handle.path}/training_info.json", "wb") as fh:
-                fh.write(info)
-            handle.add_files([orchestrator.FileEntry("training_info.json", len(info))])
-        handle.seal()
-        blocked_ms = (time.perf_counter() - began) * 1000
-        if rank == 0:
-            print(
-                f"[train] step {step:3d}  loss {loss.item():.3f}  "
-                f"checkpoint handed off in {blocked_ms:.1f} ms",
-                flush=True,
-            )
-    # Before exiting, let the last uploads land: a rank that exits mid-upload loses them
-    # (the daemon would then fail the step when the rank's lease runs out).
-    client.wait_saves()
-    last = start + args.steps - (start + args.steps) % args.every
-    if rank == 0 and last > start:
-        try:
-            outcome = client.wait(args.root, last, timeout=120)
-        except orchestrator.DaemonError as exc:  # no daemon: the steps stay in tmp_step_N
-            print(f"[train] step {last}: not promoted ({exc})", flush=True)
-        else:
-            where = outcome.path or outcome.reason
-            print(f"[train] step {last}: {outcome.state} {where}", flush=True)
-    client.close()
-    dist.barrier()
+    with orchestrator.CheckpointManager(args.root, interval=args.every) as manager:
+        start = manager.restore(state) or 0  # the newest promoted step; every rank the same
+        if rank == 0 and start:
+            print(f"[train] resumed from {orchestrator.latest(args.root)}", flush=True)
+        gen = torch.Generator().manual_seed(1234 + rank)
+        for step in range(start + 1, start + args.steps + 1):
+            tokens = torch.randint(0, 512, (4, 64), generator=gen)
+            loss = ddp(tokens)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            began = time.perf_counter()
+            # Returns once the state is copied: training goes on while it uploads.
+            if manager.save(step, state, metrics={"loss": loss.item()}) and rank == 0:
+                blocked_ms = (time.perf_counter() - began) * 1000
+                print(
+                    f"[train] step {step:3d}  loss {loss.item():.3f}  "
+                    f"checkpoint handed off in {blocked_ms:.1f} ms",
+                    flush=True,
+                )
+        manager.wait_until_finished()  # every upload landed and reported
+        last = start + args.steps - (start + args.steps) % args.every
+        if rank == 0 and last > start:
+            report(manager.client, args.root, last)
+    # The manager closed (uploads landed) before the process group goes.
     dist.destroy_process_group()
+
+
+def report(client: orchestrator.CheckpointClient, root: str, step: int) -> None:
+    """Print what the daemon made of ``step``: promoted where, or failed why."""
+    try:
+        outcome = client.wait(root, step, timeout=120)
+    except orchestrator.DaemonError as exc:  # no daemon: the steps stay in tmp_step_N
+        print(f"[train] step {step}: not promoted ({exc})", flush=True)
+    else:
+        where = outcome.path or outcome.reason
+        print(f"[train] step {step}: {outcome.state} {where}", flush=True)
 
 
 if __name__ == "__main__":
