@@ -29,6 +29,7 @@ from .._client import CheckpointClient
 from .._nodes import local_world_size, read_environment
 from .._objstore import is_object_url
 from ._additions import DaemonMixin
+from ._config import build_checkpoint_config
 from ._generations import (
     _infer_checkpoint_root,
     apply_config_updates,
@@ -36,7 +37,9 @@ from ._generations import (
     legacy_save_updates,
 )
 from ._loading import LoadingMixin
+from ._lora import _resolve_lora_adapter_dir
 from ._promotion import StepTracker, agree, connect
+from ._qwen_patch import _patch_qwen_vl_vision_key_mapping
 from ._stager import install_cpu_safe_stager, use_prefix_store
 from ._staging import prepare_staged, stage_save
 from ._steps import locate_step
@@ -45,13 +48,25 @@ from ._uploads import install_ordered_uploads
 if TYPE_CHECKING:
     from nemo_automodel.components._peft.lora import PeftConfig
 
-# The previous generation's module functions are found here too, by its old name.
-__all__ = ["AutomodelCheckpointManager", "_infer_checkpoint_root", "detect_checkpoint_format"]
+# Every name of NeMo-RL's module (both generations) is found here too, so this one module
+# stands in for ``nemo_rl.models.automodel.checkpoint``: the manager looks its names up
+# here, and an alias of the upstream name to this module serves both its imports and the
+# names its tests patch (docs/nemo-rl.md, "NeMo-RL's own tests").
+__all__ = [
+    "AutomodelCheckpointManager",
+    "_infer_checkpoint_root",
+    "_patch_qwen_vl_vision_key_mapping",
+    "_resolve_lora_adapter_dir",
+    "build_checkpoint_config",
+    "detect_checkpoint_format",
+    "logger",
+]
 
 _UNSET: Any = object()
 """``save_checkpoint``'s ``checkpointing_cfg`` when not given: the current generation."""
 
 logger = logging.getLogger("orchestrator.automodel")
+"""The package's logger (``orchestrator.automodel``), the seed module's ``logger``."""
 
 
 class AutomodelCheckpointManager(DaemonMixin, LoadingMixin):
