@@ -282,8 +282,10 @@ class TestVerify:
         assert code == 0
         assert out.splitlines() == [
             f"{checkpoint}: OK",
-            "  checked: 4 files, 400 B: each present, inside the checkpoint, with the size "
-            "its manifest records",
+            (
+                "  checked: 4 files, 400 B: each present, inside the checkpoint, with the "
+                "size its manifest records"
+            ),
             f"  not checked: {NOT_CHECKED}",
         ]
         code, out, _ = cli(capsys, "verify", "--json", str(checkpoint))

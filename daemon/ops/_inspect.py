@@ -72,7 +72,7 @@ def ls(args: argparse.Namespace) -> int:
             )
     promoted = {r["step"] for r in rows if r["state"] == "promoted"}
     rows += _set_aside_rows(storage, root, known, promoted)
-    rows.sort(key=lambda r: (r["step"], r["state"]))
+    rows.sort(key=lambda r: (r["step"], r["state"] != "promoted", r["state"]))
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
