@@ -95,17 +95,13 @@ def _survived(ending: Ending) -> None:
 class TestEndings:
     """Each common ending of a training script keeps its last checkpoint."""
 
-    def test_destroy_process_group_right_after_async_save(
-        self, endings: dict[str, Ending]
-    ) -> None:
+    def test_destroy_process_group_right_after_async_save(self, endings: dict[str, Ending]) -> None:
         _survived(endings["destroy"])
 
     def test_plain_exit_after_async_save(self, endings: dict[str, Ending]) -> None:
         _survived(endings["exit"])
 
-    def test_destroy_process_group_with_the_manager_open(
-        self, endings: dict[str, Ending]
-    ) -> None:
+    def test_destroy_process_group_with_the_manager_open(self, endings: dict[str, Ending]) -> None:
         _survived(endings["manager-destroy"])
 
     def test_manager_as_context_manager(self, endings: dict[str, Ending]) -> None:
