@@ -9,6 +9,7 @@ saved again at once; a denied credential fails only its own root.
 
 from __future__ import annotations
 
+import json
 import queue
 import shutil
 import subprocess
@@ -180,6 +181,9 @@ class TestSaveAndLoad:
             assert main(["latest", root]) == 0
             assert capsys.readouterr().out.strip() == f"{root}/step_3/{attempt}"
             assert main(["verify", f"{root}/step_3"]) == 0
+            verified = capsys.readouterr().out
+            assert "size and ETag recorded at the commit" in verified
+            assert "  not checked: contents: no object is read" in verified
             # A committed step is not promoted again.
             assert main(["promote", root, "3", "--socket", str(daemon.socket_path)]) == 1
             assert "already promoted" in capsys.readouterr().err
@@ -405,6 +409,15 @@ class TestRetention:
                 assert not [k for k in keys if k.startswith("step_2/")]
                 assert "step_1/.ckptd-commit.json" in keys  # pinned
                 assert "step_3/.ckptd-commit.json" in keys  # newest
+                # A retired step is gone from ls too, though the store may list its prefix.
+                socket = ["--socket", str(daemon.socket_path)]
+                capsys.readouterr()
+                assert main(["ls", root, "--json", *socket]) == 0
+                listed = json.loads(capsys.readouterr().out)
+                assert [(r["step"], r["state"]) for r in listed] == [
+                    (1, "promoted"),
+                    (3, "promoted"),
+                ]
                 # A failed attempt's objects are what gc takes; nothing of a checkpoint.
                 dying = jobs(daemon.socket_path, env, root, 2, "--step", "4", "--die-mid-upload")
                 dying.wait_line("dying", rank=1)
@@ -412,12 +425,21 @@ class TestRetention:
                 dying.kill()
                 assert [k for k in seaweed.keys(root) if k.startswith("step_4/")]
                 capsys.readouterr()
+                assert main(["ls", root, "--json", *socket]) == 0
+                (failed,) = [r for r in json.loads(capsys.readouterr().out) if r["step"] == 4]
+                assert failed["state"] == "failed"
+                assert failed["path"].startswith(f"{root}/step_4/")  # never tmp_step_4 there
                 assert main(["gc", root, "--yes", "--socket", str(daemon.socket_path)]) == 0
                 assert "removed" in capsys.readouterr().out
                 keys = seaweed.keys(root)
                 assert not [k for k in keys if k.startswith("step_4/")]
                 assert "step_3/.ckptd-commit.json" in keys
                 assert "step_1/.ckptd-commit.json" in keys
+                capsys.readouterr()
+                assert main(["ls", root, *socket]) == 0
+                listing = capsys.readouterr().out
+                assert "unknown" not in listing and "tmp_step_" not in listing
+                assert [line.split()[0] for line in listing.splitlines()[1:]] == ["1", "3"]
         finally:
             daemon.kill()
             assert daemon.proc is not None and daemon.proc.stdout is not None
