@@ -17,7 +17,9 @@ this name. The client takes it, in this order, from:
 With none of them the run is unnamed, as before: a node then cannot tell another run's
 attempt of a step that spans nodes from its own, and the client says so once. An id
 that does not fit the protocol's ``RunId`` (letters, digits, ``._:-``, at most 128) is
-replaced by a digest of it, the same on every rank.
+replaced by a digest of it, the same on every rank; a launcher's id alone is digested,
+so its runs stay ``KIND:ID:COUNT`` and a later run still supersedes an earlier one
+(``orchestrator.protocol.run_supersedes``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ RUN_VARS: Final = (
 _ELASTIC_DEFAULT: Final = "none"
 """torchrun's ``--rdzv-id`` default: the same at every launch, so it names no run."""
 _RUN_ID: Final = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_LAUNCH: Final = re.compile(r"^[A-Za-z0-9._:-]{1,100}$")
 
 
 def run_identity(explicit: str | None = None, env: Mapping[str, str] | None = None) -> str | None:
@@ -62,11 +65,19 @@ def run_identity(explicit: str | None = None, env: Mapping[str, str] | None = No
     env = os.environ if env is None else env
     elastic = env.get("TORCHELASTIC_RUN_ID")
     if elastic and elastic != _ELASTIC_DEFAULT:
-        return _fit(f"torchelastic:{elastic}:{env.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+        count = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return _fit(f"torchelastic:{_launch(elastic)}:{count}")
     job = env.get("SLURM_JOB_ID")
     if job:
-        return _fit(f"slurm:{job}:{env.get('SLURM_RESTART_COUNT', '0')}")
+        return _fit(f"slurm:{_launch(job)}:{env.get('SLURM_RESTART_COUNT', '0')}")
     return None
+
+
+def _launch(ident: str) -> str:
+    """A launcher's id as it fits a run id, leaving room for the kind and the count."""
+    if _LAUNCH.match(ident):
+        return ident
+    return "sha256-" + hashlib.sha256(ident.encode()).hexdigest()[:32]
 
 
 def _fit(run: str) -> str:

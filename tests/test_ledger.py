@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from daemon.base._errors import RequestError
 from daemon.ledger._ledger import Effect, Emit, Ledger, SaveKey, SetAside, Settled, Verify
 from daemon.ledger._records import JBegin
-from orchestrator.protocol import ErrorCode, FileEntry, RankState, SaveState
+from orchestrator.protocol import ErrorCode, FileEntry, RankState, SaveState, run_supersedes
 
 ROOT = "/ckpt/run-42"
 KEY = SaveKey(ROOT, 7)
@@ -898,6 +898,11 @@ class _Save:
     verifies: int = 0
     settles: int = 0
     conns: set[int] = field(default_factory=set)
+    run: str = ""
+
+
+RUNS = [None, None, None, "torchelastic:j:0", "torchelastic:j:1", "torchelastic:j:2", "slurm:j:1"]
+"""Runs a begin names: mostly none; a launch restarted twice; an unrelated launch."""
 
 
 class LedgerMachine(RuleBasedStateMachine):
@@ -935,7 +940,8 @@ class LedgerMachine(RuleBasedStateMachine):
         world = self.world[key]
         world_size = data.draw(st.sampled_from([world] * 6 + [1, MAX_WORLD]), label="world_size")
         rank = data.draw(st.integers(0, world_size), label="rank")
-        self._begin(key, rank, world_size, conn)
+        run = data.draw(st.sampled_from(RUNS), label="run")
+        self._begin(key, rank, world_size, conn, run)
 
     @rule(data=st.data(), conn=st.integers(1, 4))
     def report(self, data: st.DataObject, conn: int) -> None:
@@ -1084,13 +1090,27 @@ class LedgerMachine(RuleBasedStateMachine):
         keys = st.sampled_from(KEYS)
         return data.draw(st.sampled_from(open_keys) | keys if open_keys else keys, label="key")
 
-    def _begin(self, key: SaveKey, rank: int, world_size: int, conn: int) -> None:
-        expected, error = self._expect_begin(key, rank, world_size, conn)
+    def _begin(
+        self, key: SaveKey, rank: int, world_size: int, conn: int, run: str | None = None
+    ) -> None:
+        if run is not None:  # as the server does: a later run first supersedes a dead one
+            superseded = self._expect_supersede(key, run)
+            self._call(lambda: self.ledger.supersede(key, run, self.now), superseded, None)
+        expected, error = self._expect_begin(key, rank, world_size, conn, run)
         self._call(
-            lambda: self.ledger.begin(key, rank, world_size, conn=conn, now=self.now),
+            lambda: self.ledger.begin(key, rank, world_size, conn=conn, now=self.now, run=run),
             expected,
             error,
         )
+
+    def _expect_supersede(self, key: SaveKey, run: str) -> Expected:
+        """Only an open save of an earlier run of the same launch is superseded."""
+        save = self.saves.get(key)
+        if save is None or save.state is not SaveState.OPEN:
+            return []
+        if not run_supersedes(run, save.run):
+            return []
+        return [("save.superseded", key, None), *self._fail_save(key, f"superseded by run {run}")]
 
     def _done(self, key: SaveKey, rank: int, files: Sequence[FileEntry], conn: int) -> None:
         expected, error = self._expect_done(key, rank, files, conn)
@@ -1110,19 +1130,25 @@ class LedgerMachine(RuleBasedStateMachine):
         return st.sampled_from(sorted(writing)) | anyone if writing else anyone
 
     def _expect_begin(
-        self, key: SaveKey, rank: int, world_size: int, conn: int
+        self, key: SaveKey, rank: int, world_size: int, conn: int, run: str | None = None
     ) -> tuple[Expected, ErrorCode | None]:
         if rank >= world_size:
             return [], ErrorCode.RANK_OUT_OF_RANGE
         save = self.saves.get(key)
         retried: Expected = []
-        if save is not None and save.state is SaveState.FAILED and conn not in save.conns:
-            # A process that took no part in the failed attempt starts the step over.
+        other_run = bool(run and save is not None and save.run and run != save.run)
+        if (
+            save is not None
+            and save.state is SaveState.FAILED
+            and (other_run or conn not in save.conns)
+        ):
+            # A process that took no part in the failed attempt (or another run's)
+            # starts the step over.
             retried = [("save.retried", key, None)]
             save = None
         if save is None:
             deadline = None if self.timeout is None else self.now + self.timeout
-            save = self.saves[key] = _Save(world_size, self.now, deadline)
+            save = self.saves[key] = _Save(world_size, self.now, deadline, run=run or "")
         if save.world_size != world_size:
             return [], ErrorCode.WORLD_SIZE_MISMATCH
         if expired := self._expire(key):
@@ -1136,6 +1162,8 @@ class LedgerMachine(RuleBasedStateMachine):
             if save.state is SaveState.FAILED:
                 return [], ErrorCode.STEP_FAILED
             return [], ErrorCode.STEP_CLOSED
+        if run and save.run and run != save.run:
+            return [], ErrorCode.RUN_CONFLICT  # an unrelated (or earlier) run never joins
         if rec is None:
             assert save.state is SaveState.OPEN, "every rank has begun once the save is past OPEN"
             save.ranks[rank] = _Rank(RankState.WRITING, conn)

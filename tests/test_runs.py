@@ -57,7 +57,9 @@ class TestRunIdentity:
     def test_an_id_that_does_not_fit_becomes_its_digest(self) -> None:
         env = {"TORCHELASTIC_RUN_ID": "a run / with spaces"}
         found = run_identity(None, env)
-        assert found is not None and found.startswith("sha256:")
+        assert found is not None and found.startswith("torchelastic:sha256-")
+        assert found.endswith(":0")  # the restart count stays comparable
+        assert run_identity(None, {"SLURM_JOB_ID": "j" * 200}) is not None
         assert found == run_identity(None, dict(env))  # the same on every rank
 
     def test_a_bad_explicit_id_is_refused(self) -> None:
@@ -133,8 +135,8 @@ class TestTheMarkerRecordsTheRun:
             )
             assert reply["ok"], reply
             assert _marker(root, 3)["run"] == "slurm:77:1"
-            other = conn.request(
-                "begin", root=str(root), step=3, rank=0, world_size=1, run="slurm:77:2"
+            other = conn.request(  # another job's run (a requeue would supersede it)
+                "begin", root=str(root), step=3, rank=0, world_size=1, run="slurm:78:0"
             )
             assert not other["ok"] and other["error"]["code"] == "run_conflict", other
 

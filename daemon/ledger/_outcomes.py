@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
-from orchestrator.protocol import ErrorCode, RankState, SaveState
+from orchestrator.protocol import ErrorCode, RankState, SaveState, run_supersedes
 
 from ..base._errors import RequestError
 from ._records import JFail, JournalRecord, JRescue, JSaveFailed, JSetAside
@@ -254,6 +254,53 @@ class Outcomes:
                 f"{save.attempt or '(unnamed)'} cannot resume (a new job's begin starts the "
                 "step over)",
             )
+
+    def superseded_by(self, key: SaveKey, run: str | None) -> SaveRecord | None:
+        """The open attempt of ``key`` that a ``begin`` of ``run`` proves dead, if any.
+
+        A later run of the same launch (``orchestrator.protocol.run_supersedes``: the
+        same torchelastic run id or Slurm job, more restarts) begins only once every
+        rank of the earlier runs is gone, so their open attempt will never finish. Only
+        an attempt still ``OPEN`` (one verifying or promoting has all its files and is
+        judged on them) and only one of another, earlier run of the same launch.
+        """
+        save = self._saves.get(key)
+        if save is None or save.state is not SaveState.OPEN:
+            return None
+        return save if run_supersedes(run, save.run) else None
+
+    def may_supersede(self, key: SaveKey) -> bool:
+        """Whether this daemon decides that ``key``'s open attempt is superseded.
+
+        On one node, always. For a save that spans nodes only the leader decides (the
+        daemon serving global rank 0, as for every verdict): it fails the attempt,
+        writes the verdict and sets the directory aside; the other nodes learn that
+        from the shared directory.
+        """
+        save = self._saves.get(key)
+        return save is not None and (not save.spans or save.leader)
+
+    def supersede(self, key: SaveKey, run: str, now: float) -> list[Effect]:
+        """A ``begin`` of ``run``, a later run of the same launch, takes the step over.
+
+        The open attempt of the dead run fails at once with the reason ``superseded by
+        run RUN`` and, as every failed attempt, is set aside before that is reported;
+        the ``begin`` then starts the step over (:meth:`starts_new_attempt`). Nothing
+        changes unless :meth:`superseded_by` names the attempt and this daemon
+        :meth:`may_supersede` it.
+        """
+        save = self.superseded_by(key, run)
+        if save is None or not self.may_supersede(key):
+            return []
+        event = {
+            "root": key.root,
+            "step": key.step,
+            "attempt": save.attempt,
+            "run": save.run,
+            "by_run": run,
+        }
+        superseded = Emit("save.superseded", event, "warning")
+        return [superseded, *self._fail_save(save, f"superseded by run {run}", now)]
 
     def starts_new_attempt(
         self,

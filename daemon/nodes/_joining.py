@@ -8,6 +8,7 @@ leader's attempt marker there, of this run, and joins that attempt.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import anyio
 
@@ -16,7 +17,7 @@ from orchestrator import protocol as p
 from ..base._errors import RequestError
 from ..config._config import RootConfig
 from ..host._host import Coordinating
-from ..ledger._saves import SaveKey
+from ..ledger._saves import SaveKey, SaveRecord
 from ..store._storage import Storage
 
 __all__ = ["Joining"]
@@ -29,9 +30,44 @@ class Joining:
     _begun: dict[SaveKey, anyio.Event]
     _run: Callable[..., Awaitable[object]]
 
+    if TYPE_CHECKING:  # what Nodes provides (no stubs at runtime: no MRO shadowing)
+
+        async def _learn(
+            self, root: RootConfig, save: SaveRecord, *, full: bool = True
+        ) -> bool: ...
+
     @property
     def _storage(self) -> Storage:
         return self._daemon.storage
+
+    async def outlived(self, root: RootConfig, save: SaveRecord) -> None:
+        """A ``begin`` of a later run on a node that does not lead ``save``: wait for the leader.
+
+        The leader decides that ``save``'s attempt (of the dead run) is superseded: it
+        writes the failure's verdict and sets the directory aside. This node learns it
+        from the shared directory (the verdict, or another attempt's marker in
+        ``tmp_step_N``), and returns once its own record of the attempt has ended.
+
+        Raises:
+            RequestError: (``unavailable``) nothing said so within ``node_timeout``.
+        """
+        daemon, key, attempt = self._daemon, save.key, save.attempt
+        deadline = daemon.clock() + daemon.config.node_timeout
+        while (now := daemon.ledger.get(key)) is not None and now.attempt == attempt:
+            if now.state is not p.SaveState.OPEN or await self._learn(root, now):
+                return
+            left = deadline - daemon.clock()
+            if left <= 0:
+                raise RequestError(
+                    p.ErrorCode.UNAVAILABLE,
+                    f"step {key.step} spans nodes, and attempt {attempt} of run "
+                    f"{save.run or '(unnamed)'} is still open here: the leader (the daemon "
+                    f"serving rank 0) did not set it aside within node_timeout "
+                    f"{daemon.config.node_timeout:g}s; retry",
+                )
+            event = self._begun.setdefault(key, anyio.Event())
+            with anyio.move_on_after(min(root.poll_interval, left)):
+                await event.wait()
 
     def begun(self, key: SaveKey) -> None:
         """A ``begin`` created or joined ``key`` here: wake the begins waiting for it."""

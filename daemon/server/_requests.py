@@ -35,6 +35,7 @@ from ._collect import collect
 from ._owners import AttemptDirs
 from ._rejoin import rejoin
 from ._rescues import Rescues
+from ._supersede import Superseding
 
 __all__ = ["VERSION", "Requests"]
 
@@ -46,7 +47,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 _SETTLED = (p.SaveState.PROMOTED, p.SaveState.FAILED)
 
 
-class Requests(Rescues):
+class Requests(Superseding, Rescues):
     """Request handling over the daemon's state (a mixin of ``Daemon``)."""
 
     config: Config
@@ -187,6 +188,9 @@ class Requests(Rescues):
                     "checkpoint.gone", "warning", root=root.path, step=key.step, path=final
                 )
                 known = self.ledger.get(key)
+        if known is not None and request.run:
+            await self._supersede(root, key, request.run)  # a dead run's attempt: gone
+            known = self.ledger.get(key)
         fresh, age = new_attempt_id(), 0.0
         found = None
         if known is None and (request.attempt or request.run):

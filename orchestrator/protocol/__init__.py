@@ -8,7 +8,8 @@ pushed to a subscribed connection carry ``event`` instead of ``id``.
 This package is shared by the daemon and the trainer-side client, so it depends on msgspec
 alone: importing it never pulls in torch or the daemon. ``docs/protocol.md`` is the
 reference for every op, field and error code. Its parts: the fixed values and codes
-(``_constants.py``), the requests (``_requests.py``), the replies and the records they
+(``_constants.py``), the requests (``_requests.py``), the order of runs
+(``_runs.py``), the replies and the records they
 carry (``_replies.py``), and decoding and encoding lines (``_codec.py``); every name is
 imported from here.
 """
@@ -81,6 +82,7 @@ from ._requests import RequestId as RequestId
 from ._requests import Seconds as Seconds
 from ._requests import Step as Step
 from ._requests import WorldSize as WorldSize
+from ._runs import LaunchRun, launch_run, run_supersedes
 
 __all__ = [
     "ATTEMPT_MARKER",
@@ -113,6 +115,7 @@ __all__ = [
     "RunId",
     "Score",
     "Unpin",
+    "LaunchRun",
     "Latest",
     "LatestReply",
     "Ping",
@@ -135,4 +138,6 @@ __all__ = [
     "decode_request",
     "default_socket_path",
     "encode",
+    "launch_run",
+    "run_supersedes",
 ]
