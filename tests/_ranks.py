@@ -55,6 +55,41 @@ def start_rank(
     )
 
 
+TORCHRUN = ["-m", "torch.distributed.run"]
+"""``torchrun`` as the arguments of a Python process (what its console script runs)."""
+
+
+def run_python(
+    args: list[str], env: Mapping[str, str], timeout: float, cwd: Path = REPO
+) -> tuple[int, str]:
+    """Run ``python args...`` to its end; its exit status and its output (stderr in stdout).
+
+    Forked from the torch zygote (``tests/_zygote.py``) where that is on, so that a
+    launcher such as torchrun (its agent imports torch) does not import torch afresh;
+    what it starts itself (torchrun's ranks) is exec'd as always.
+
+    Raises:
+        AssertionError: it did not finish within ``timeout`` seconds (it is killed).
+    """
+    forked = zygote("torch")
+    proc: subprocess.Popen[bytes]
+    if forked is not None:
+        proc = forked.spawn(args, env, cwd)
+    else:
+        command = [sys.executable, *args]
+        proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=cwd
+        )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        text = out.decode(errors="replace")
+        raise AssertionError(f"{args} did not finish within {timeout}s:\n{text}") from None
+    return proc.returncode, out.decode(errors="replace")
+
+
 def pump_lines(
     proc: subprocess.Popen[bytes], rank: int, put: Callable[[dict[str, Any]], None]
 ) -> threading.Thread:

@@ -10,7 +10,6 @@ fails the test.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from tests._ranks import TORCHRUN, run_python
 from tests.conftest import REPO, DaemonProcess
 
 pytestmark = pytest.mark.slow
@@ -34,41 +34,19 @@ TRACEBACK = "Traceback (most recent call last)"
 Start = Callable[..., DaemonProcess]
 
 
-def torchrun() -> list[str]:
-    """The ``torchrun`` of this interpreter's environment, as ``scripts/demo`` calls it."""
-    beside = Path(sys.executable).with_name("torchrun")
-    if beside.exists():
-        return [str(beside)]
-    found = shutil.which("torchrun")
-    return [found] if found else [sys.executable, "-m", "torch.distributed.run"]
-
-
 def train(daemon: DaemonProcess, root: Path, *, steps: int, every: int) -> str:
     """Run the demo job once to completion; returns its combined output.
 
     Fails the test if the job does not exit 0 in time or prints a traceback.
     """
     env = {**os.environ, "CKPTD_SOCKET": str(daemon.socket_path), "OMP_NUM_THREADS": "1"}
-    cmd = [*torchrun(), "--standalone", "--nproc-per-node", "2", str(TRAIN), str(root)]
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", str(TRAIN), str(root)]
     cmd += ["--steps", str(steps), "--every", str(every)]
-    try:
-        proc = subprocess.run(
-            cmd,
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            timeout=JOB_TIMEOUT,
-            check=False,
-        )
-    except subprocess.TimeoutExpired as exc:
-        out = (exc.output or b"").decode(errors="replace")
-        raise AssertionError(f"the job did not finish within {JOB_TIMEOUT}s:\n{out}") from None
-    out = proc.stdout.decode(errors="replace")
+    code, out = run_python(cmd, env, JOB_TIMEOUT)
     if TRACEBACK in out:
-        pytest.fail(f"the job printed a traceback (exit {proc.returncode}):\n{out}")
-    if proc.returncode != 0:
-        pytest.fail(f"the job exited {proc.returncode}:\n{out}")
+        pytest.fail(f"the job printed a traceback (exit {code}):\n{out}")
+    if code != 0:
+        pytest.fail(f"the job exited {code}:\n{out}")
     return out
 
 

@@ -25,9 +25,9 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from tests._dcp_worker import state_for
 from tests._nodes import Cluster, SimNode, make_cluster
-from tests._ranks import free_port, pump_lines
+from tests._ranks import TORCHRUN, free_port, pump_lines
 from tests.conftest import REPO
-from tests.test_demo import JOB_TIMEOUT, TRACEBACK, torchrun
+from tests.test_demo import JOB_TIMEOUT, TRACEBACK
 
 __all__ = ["make_cluster"]  # the fixture, imported for pytest
 
@@ -127,7 +127,7 @@ class TestDemoAcrossNodes:
         port = free_port()
         procs = []
         for i, node in enumerate(nodes):
-            cmd = [*torchrun(), "--nnodes", str(len(nodes)), "--node-rank", str(i)]
+            cmd = [sys.executable, *TORCHRUN, "--nnodes", str(len(nodes)), "--node-rank", str(i)]
             cmd += ["--nproc-per-node", "1", "--master-addr", "127.0.0.1"]
             cmd += ["--master-port", str(port), str(TRAIN), str(nodes.root)]
             cmd += ["--steps", str(steps), "--every", str(every)]

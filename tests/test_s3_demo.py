@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from tests._ranks import TORCHRUN, run_python
 from tests._s3 import S3Server, serve
 from tests.conftest import REPO, DaemonProcess
-from tests.test_demo import JOB_TIMEOUT, TRACEBACK, torchrun
+from tests.test_demo import JOB_TIMEOUT, TRACEBACK
 
 pytestmark = pytest.mark.slow
 
@@ -33,19 +34,10 @@ def seaweed() -> Iterator[S3Server]:
 def train(daemon: DaemonProcess, env: dict[str, str], root: str) -> str:
     """Run the demo job once (10 steps, a checkpoint every 5); its combined output."""
     full = {**os.environ, **env, "CKPTD_SOCKET": str(daemon.socket_path), "OMP_NUM_THREADS": "1"}
-    cmd = [*torchrun(), "--standalone", "--nproc-per-node", "2", str(TRAIN), root]
-    proc = subprocess.run(
-        [*cmd, "--steps", "10", "--every", "5"],
-        cwd=REPO,
-        env=full,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        timeout=JOB_TIMEOUT,
-        check=False,
-    )
-    out = proc.stdout.decode(errors="replace")
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", str(TRAIN), root]
+    code, out = run_python([*cmd, "--steps", "10", "--every", "5"], full, JOB_TIMEOUT)
     assert TRACEBACK not in out, out
-    assert proc.returncode == 0, out
+    assert code == 0, out
     return out
 
 
