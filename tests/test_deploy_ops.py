@@ -96,7 +96,7 @@ class TestDashboard:
         assert len(ids) == len(set(ids))
 
     def test_failure_reasons_documented(self) -> None:
-        readme = (REPO / "README.md").read_text()
+        readme = (REPO / "docs" / "operations.md").read_text()
         for reason in FAILURE_REASONS:
             assert f"`{reason}`" in readme
 
