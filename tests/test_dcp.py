@@ -192,6 +192,7 @@ class TestPromotionWaitsForEveryRank:
         daemon_factory: Callable[..., DaemonProcess],
         jobs: Callable[..., Job],
         root: Path,
+        capsys: pytest.CaptureFixture[str],
     ) -> None:
         daemon = daemon_factory([root])
         job = jobs(daemon, root, 2, "--steps", "1,2,3", "--stager")
@@ -201,7 +202,11 @@ class TestPromotionWaitsForEveryRank:
         for step in (1, 2, 3):
             _assert_loads(root / f"step_{step}", 2, step)
         assert os.readlink(root / "latest") == "step_3"
+        capsys.readouterr()
         assert main(["verify", str(root / "step_3")]) == 0
+        said = capsys.readouterr().out  # what was checked, and that contents were not
+        assert "  checked: DCP metadata: 1 directories, each with metadata naming shards" in said
+        assert "  not checked: contents: " in said
 
 
 class TestBeginBeforeWrites:
