@@ -4,8 +4,8 @@
 ``metric_name``, ``higher_is_better``, ``save_period``, ``ft_keep_latest_k``) to a
 ``[roots.retention]`` table; the daemon parses it as it parses its TOML and judges with
 its pure policy. Under hypothesis, that keeps exactly what NeMo-RL's own
-``remove_old_checkpoints`` keeps (``_local.kept_steps``, which NeMo-RL's copied tests
-check in ``tests/peer/nemo_rl``), with the newest step protected.
+``remove_old_checkpoints`` keeps (``_local.kept_steps``, whose cases NeMo-RL's unit
+tests check, as ``tests/test_nemo_rl_local.py`` does), with the newest step protected.
 """
 
 from __future__ import annotations
