@@ -84,6 +84,7 @@ class TestMultiRankBenchmarks:
         well_formed(disk.run(mb=1, saves=1), "disk")
 
 
+@pytest.mark.slow
 class TestMultiNodeBenchmark:
     """The multi-node benchmark runs 2 nodes of 8 ranks, one sample, on each filesystem."""
 
@@ -123,6 +124,7 @@ class TestRunner:
         assert chart.stat().st_size > 0
 
 
+@pytest.mark.slow
 class TestObjectStore:
     """The object-store benchmark runs against a local SeaweedFS and reports ratios."""
 
@@ -143,6 +145,7 @@ class TestObjectStore:
 class TestScale:
     """The scale harness runs 64 simulated nodes against a real leader, counting their calls."""
 
+    @pytest.mark.slow
     def test_64_nodes_on_local_disk(self) -> None:
         require_tool("strace")
         require_tool("perf", "linux-perf")
