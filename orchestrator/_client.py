@@ -21,6 +21,7 @@ from ._layout import make_step_dir
 from ._objstore import is_object_url
 from ._ops import OpsClient
 from ._pending import PendingBegin
+from ._strict import absolute_root, remove_made
 from ._tracking import SaveHandle
 
 __all__ = ["CheckpointClient"]
@@ -49,6 +50,14 @@ class CheckpointClient(OpsClient):
         run: The run of the job this process belongs to, the same on every rank of
             the run and another on a restarted or requeued run. Default: from
             torchelastic's or Slurm's environment (``orchestrator._run``), else unnamed.
+        strict: Make mistakes loud: a ``begin`` the daemon refuses raises
+            :class:`~orchestrator.SaveRefused` in the trainer (from :meth:`save` and
+            :meth:`begin` when they wait for the answer, else from the next
+            :meth:`save`, :meth:`track`, :meth:`wait_saves` or :meth:`close`) instead of
+            a logged warning. Default: ``CKPTD_STRICT=1`` in the environment, else off.
+
+    A relative ``root`` is made absolute (against the current directory) before it is
+    sent, and a save the daemon refuses leaves no directory behind.
 
     The environment that says how many ranks are on this node (``LOCAL_WORLD_SIZE``,
     ``SLURM_NTASKS_PER_NODE``; see :meth:`begin_nowait`) and which run this is are
@@ -66,6 +75,7 @@ class CheckpointClient(OpsClient):
         reconnect_max: float = 2.0,
         max_reply: int = p.MAX_REPLY,
         run: str | None = None,
+        strict: bool | None = None,
     ) -> None:
         self._lock = threading.Lock()  # guards _handles (touched from callers' threads)
         self._handles: set[SaveHandle] = set()
@@ -76,6 +86,7 @@ class CheckpointClient(OpsClient):
             reconnect_max=reconnect_max,
             max_reply=max_reply,
             run=run,
+            strict=strict,
         )
 
     # -- saves: handles over the uploads' futures --------------------------------------
@@ -118,23 +129,31 @@ class CheckpointClient(OpsClient):
         Raises:
             ValueError: ``local_world_size``, or the environment it is read from, does
                 not fit ``world_size``; nothing is sent and nothing is created.
+            SaveRefused: ``strict``, and the daemon refused this save (``wait``) or an
+                earlier one after its call returned.
         """
         handle, pending = self._open(root, step, rank, world_size, local_world_size)
         if wait:
             pending.result()
+            self._refusals.raise_for(handle)
         if is_object_url(root):
             return handle  # no directories there; the attempt's prefix is the reply's
         path = pending.path  # waits only for a root whose layout is unknown (see above)
         answer = pending.known()
         if answer is None or answer.error is None:  # nothing of a known refusal is made
-            make_step_dir(path)
+            made = make_step_dir(path)
+            if made:  # a refusal still to come takes them away again
+                pending.when_refused(lambda: remove_made(made))
         return handle
 
     def _open(
         self, root: str, step: int, rank: int, world_size: int, local_world_size: int | None
     ) -> tuple[SaveHandle, PendingBegin]:
+        self._refusals.raise_late()
+        root = absolute_root(root)
         pending = self.begin_nowait(root, step, rank, world_size, local_world_size=local_world_size)
         handle = SaveHandle(root, step, rank, pending, self._forget)
+        self._refusals.watch(handle, pending.when_refused)
         _exit.watch(self)  # the end of the script must not lose it (``_exit.py``)
         with self._lock:
             self._handles.add(handle)
@@ -159,6 +178,9 @@ class CheckpointClient(OpsClient):
 
         Returns:
             Whether every save was reported in time.
+
+        Raises:
+            SaveRefused: ``strict``, and the daemon refused a save after its call returned.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
@@ -176,6 +198,7 @@ class CheckpointClient(OpsClient):
                 handle.step,
                 handle.root,
             )
+        self._refusals.raise_late()
         return not unsealed
 
     def track(
@@ -230,6 +253,7 @@ class CheckpointClient(OpsClient):
                 another ``local_world_size``; or ``local_world_size`` (or the
                 environment it is read from) does not fit ``world_size``.
         """
+        root = absolute_root(root)
         if handle is None:
             handle, _ = self._open(root, step, rank, world_size, local_world_size)
         elif (handle.root, handle.step, handle.rank) != (root, step, rank):
@@ -269,6 +293,10 @@ class CheckpointClient(OpsClient):
             report_timeout: Longest wait for the daemon to acknowledge what was sent, in
                 seconds (default 5): a daemon that restarted just before this process
                 exits still gets the last reports, and one that is down costs this much.
+
+        Raises:
+            SaveRefused: ``strict``, and the daemon refused a save after its call
+                returned (raised once everything above is done).
         """
         if self._closed:
             return
@@ -302,6 +330,7 @@ class CheckpointClient(OpsClient):
         # exits still gets the last reports (and a daemon that is down costs the wait).
         self.flush(report_timeout)
         self._channel.close()
+        self._refusals.raise_late()
 
     def __enter__(self) -> CheckpointClient:
         return self

@@ -92,6 +92,12 @@ def async_save(
     merely unreachable or slow (no answer within ``begin_timeout``), the save goes on,
     unpromoted unless the daemon acknowledges it later.
 
+    A strict client (``CKPTD_STRICT=1``, or ``CheckpointClient(strict=True)``) raises
+    the refusal in the trainer: this call then waits for the ``begin``'s answer once
+    DCP's call returned (at most ``begin_timeout``; not at all while the daemon is
+    unreachable) and raises :class:`SaveRefused`. A refused save leaves no directory
+    behind, strict or not. A relative ``root`` is taken from the current directory.
+
     A step written by several calls (model and optimizer in their own DCP directories)
     must share one handle, or the daemon could promote the step after the first part
     (``client.save`` waits for the acknowledgement; ``wait=False`` leaves that to the
@@ -133,6 +139,8 @@ def async_save(
         ValueError: ``local_world_size`` (or the environment it is read from) does not
             fit the world size, or differs from ``handle``'s; raised before anything is
             sent or written.
+        SaveRefused: the client is strict and the daemon refused this save (or an
+            earlier one, after its call returned).
         BaseException: whatever ``dcp.async_save`` raises while starting; the daemon is
             told the save failed first.
     """
@@ -174,6 +182,7 @@ def async_save(
             planner.bind(handle)
     if planner is None:
         assert handle is not None
+        client.raise_if_refused(handle)  # strict: nothing is written, nothing runs
         refusal = handle.refusal  # the training thread waits here (bounded)
         if refusal is not None:
             # Nothing may be written: DCP's plan fails on every rank instead.
@@ -213,6 +222,9 @@ def async_save(
     handle.add(result, dcp_dir=subdir or ".", group_rank=dist.get_rank(group))
     if seal:
         handle.seal()
+    # Strict: the refusal raises here, once DCP's call returned (its planner stops the
+    # upload before any write); the wait overlaps DCP's own start.
+    client.raise_if_refused(handle)
     return result
 
 

@@ -58,27 +58,43 @@ def read_layout_file(root: str) -> str | None:
     return prefix
 
 
-def make_step_dir(path: str) -> None:
+def make_step_dir(path: str) -> list[str]:
     """Create a step's directory if it does not exist yet; never raises.
 
     One ``mkdir`` (the daemon or DCP may create it at the same moment: that is fine);
     the root too if it is missing. A directory that cannot be created is logged: the
     save's own writes will fail and report it. An object store has no directories:
     nothing is made there.
+
+    Returns:
+        The directories this call created, deepest first (so that a save the daemon
+        refuses can leave nothing behind: ``orchestrator._strict.remove_made``).
     """
     if is_object_url(path):
-        return
+        return []
     try:
         os.mkdir(path)
+        return [path]
     except FileExistsError:
-        pass
+        return []
     except FileNotFoundError:
+        missing = []
+        parent = path
+        while parent and not os.path.isdir(parent):
+            missing.append(parent)
+            up = os.path.dirname(parent)
+            if up == parent:
+                break
+            parent = up
         try:
             os.makedirs(path, exist_ok=True)
         except OSError as exc:
             log.warning("ckptd: cannot create %s: %s", path, exc)
+            return []
+        return missing
     except OSError as exc:
         log.warning("ckptd: cannot create %s: %s", path, exc)
+        return []
 
 
 class Layouts:

@@ -21,10 +21,12 @@ import msgspec
 from . import _nodes
 from . import protocol as p
 from ._channel import Channel
-from ._errors import DaemonError
+from ._errors import DaemonError, SaveRefused
 from ._layout import Layouts, make_step_dir
 from ._pending import Begun, PendingBegin
 from ._run import run_identity
+from ._strict import Refusals, absolute_root, strict_from_env
+from ._tracking import SaveHandle
 from ._wire import SaveRecord
 from .protocol import default_socket_path
 
@@ -44,6 +46,8 @@ class OpsClient:
         reconnect_max: Longest pause between reconnection attempts, in seconds.
         max_reply: Longest reply line accepted, in bytes.
         run: The run of the job (see :class:`CheckpointClient`).
+        strict: Raise refusals in the trainer (see :class:`CheckpointClient`); None:
+            ``CKPTD_STRICT`` decides.
     """
 
     def __init__(
@@ -54,7 +58,11 @@ class OpsClient:
         reconnect_max: float = 2.0,
         max_reply: int = p.MAX_REPLY,
         run: str | None = None,
+        strict: bool | None = None,
     ) -> None:
+        self.strict = strict_from_env() if strict is None else strict
+        """Whether a refused ``begin`` raises :class:`SaveRefused` (``orchestrator._strict``)."""
+        self._refusals = Refusals(self.strict)
         self.run = run_identity(run)
         """The run every ``begin`` names (``orchestrator._run``); None: unnamed."""
         self._unnamed_warned = False
@@ -95,12 +103,17 @@ class OpsClient:
         Raises:
             ValueError: ``local_world_size``, or the environment it is read from, does
                 not fit ``world_size`` (nothing is sent).
+            SaveRefused: the daemon refused, and the client is ``strict``.
         """
+        root = absolute_root(root)
         begun = self.begin_nowait(
             root, step, rank, world_size, local_world_size=local_world_size
         ).result()
         if begun.error is None:
             make_step_dir(begun.path)
+        elif self.strict:
+            error = begun.error
+            raise SaveRefused(error.code, error.message, root=root, step=step, rank=rank)
         return begun
 
     def begin_nowait(
@@ -135,6 +148,7 @@ class OpsClient:
                 ``world_size``, or the environment names a count that does not fit
                 (the message names the variable). Nothing is sent.
         """
+        root = absolute_root(root)
         local = self.resolve_local_world_size(world_size, local_world_size)
         if self.run is None and local is not None and local < world_size:
             self._warn_unnamed()
@@ -153,6 +167,18 @@ class OpsClient:
         known = self._layouts.known(root, step)
         fallback = self._layouts.default(root, step)
         return PendingBegin(self._channel, record, future, known, fallback, self.begin_timeout)
+
+    def raise_if_refused(self, handle: SaveHandle) -> None:
+        """Under ``strict``, raise if the daemon refused ``handle``'s ``begin``.
+
+        Waits for the answer at most ``begin_timeout`` (not at all while the daemon is
+        unreachable); a refusal arriving later is raised by the next save call or
+        ``close``. Without ``strict``, returns at once. Each refusal is raised once.
+
+        Raises:
+            SaveRefused: the ``begin`` was refused, naming the code, root, step and fix.
+        """
+        self._refusals.raise_for(handle)
 
     def _warn_unnamed(self) -> None:
         if not self._unnamed_warned:
@@ -184,7 +210,7 @@ class OpsClient:
         (:data:`~orchestrator.protocol.LAYOUT_FILE`, written by the daemon); None before
         either is known.
         """
-        return self._layouts.known(root, step)
+        return self._layouts.known(absolute_root(root), step)
 
     def done(
         self,
@@ -203,7 +229,7 @@ class OpsClient:
         """
         done = p.Done(
             id=0,
-            root=root,
+            root=absolute_root(root),
             step=step,
             rank=rank,
             files=list(files),
@@ -216,7 +242,9 @@ class OpsClient:
 
         Sent as :meth:`done` is: after the ``begin`` is answered, never for a refused one.
         """
-        self._channel.post(p.Fail(id=0, root=root, step=step, rank=rank, reason=reason[:4000]))
+        self._channel.post(
+            p.Fail(id=0, root=absolute_root(root), step=step, rank=rank, reason=reason[:4000])
+        )
 
     # -- blocking queries (tools and tests; not for the training loop) -------------------
 
@@ -251,7 +279,9 @@ class OpsClient:
             DaemonError: refused (``not_found``: no such promoted step; ``invalid_field``)
                 or no answer within ``timeout``.
         """
-        self.call(p.Score(id=0, root=root, step=step, metrics=dict(metrics)), timeout)
+        self.call(
+            p.Score(id=0, root=absolute_root(root), step=step, metrics=dict(metrics)), timeout
+        )
 
     def pin(self, root: str, step: int, *, pinned: bool = True, timeout: float = 10.0) -> None:
         """Pin ``step`` (never retired until unpinned), or unpin it. Blocks.
@@ -260,7 +290,7 @@ class OpsClient:
             DaemonError: refused (``not_found``) or no answer within ``timeout``.
         """
         request = p.Pin if pinned else p.Unpin
-        self.call(request(id=0, root=root, step=step), timeout)
+        self.call(request(id=0, root=absolute_root(root), step=step), timeout)
 
     def hold(self, root: str, step: int, ttl: float, timeout: float = 10.0) -> None:
         """Keep promoted ``step`` for ``ttl`` seconds from now, whatever the policy. Blocks.
@@ -273,7 +303,7 @@ class OpsClient:
             DaemonError: refused (``not_found``: not a promoted step; ``invalid_state``:
                 being retired right now) or no answer within ``timeout``.
         """
-        self.call(p.Hold(id=0, root=root, step=step, ttl=ttl), timeout)
+        self.call(p.Hold(id=0, root=absolute_root(root), step=step, ttl=ttl), timeout)
 
     def wait(self, root: str, step: int, timeout: float) -> p.WaitReply:
         """Block until ``step`` is promoted or failed, or ``timeout`` passes.
@@ -281,7 +311,9 @@ class OpsClient:
         Raises:
             DaemonError: the daemon refused, or could not be reached.
         """
-        reply = self.call(p.Wait(id=0, root=root, step=step, timeout=timeout), timeout + 10.0)
+        reply = self.call(
+            p.Wait(id=0, root=absolute_root(root), step=step, timeout=timeout), timeout + 10.0
+        )
         return msgspec.convert(reply, p.WaitReply)
 
     def ping(self, timeout: float = 2.0) -> bool:
