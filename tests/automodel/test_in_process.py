@@ -46,6 +46,18 @@ PREVIOUS_NAMES = ["_infer_checkpoint_root", "detect_checkpoint_format"]
 """The previous generation's module functions (NeMo-RL main as of 7ea279a)."""
 
 
+@pytest.fixture(scope="module", autouse=True)
+def automodel() -> types.ModuleType:
+    """``orchestrator.automodel``, imported once for the module.
+
+    A module-scoped fixture also keeps the module's tests on one test worker
+    (``tests/conftest.py``), so one worker pays for the import, not each.
+    """
+    import orchestrator.automodel
+
+    return orchestrator.automodel
+
+
 @pytest.fixture
 def alias() -> Iterator[None]:
     """``nemo_rl.models.automodel.checkpoint`` as the documented alias, then removed."""
