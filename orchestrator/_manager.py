@@ -97,7 +97,10 @@ class CheckpointManager:
         self.strict = strict
         self.best_pointer = best_pointer
         self._owns_client = client is None
-        self._client = client or CheckpointClient(socket_path, run=run)
+        # The manager applies ``strict`` itself, after every rank's DCP plan has failed
+        # on a refusal: a client raising at ``begin`` (CKPTD_STRICT) would leave the
+        # ranks the daemon did not refuse waiting in DCP's collective for this one.
+        self._client = client or CheckpointClient(socket_path, run=run, strict=False)
         self._saves: list[tuple[int, SaveHandle, list[Future[Any]]]] = []
         self._last: int | None = None
         self._closed = False

@@ -10,6 +10,8 @@ Prints one JSON line per finding for ``tests/test_manager.py``:
   ones, equal;
 - ``refused``: under ``strict``, saving an already promoted step, and saving into a root
   the daemon does not serve, raise ``SaveRefused`` on the rank;
+- ``not_strict``: ``strict=False`` saving an already promoted step returns, also with
+  ``CKPTD_STRICT=1`` in the environment;
 - ``done`` at the end.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -160,6 +163,20 @@ def refused(root: str, unserved: str) -> None:
     say(event="refused", codes=codes)
 
 
+def not_strict(root: str) -> None:
+    """``strict=False`` holds even where ``CKPTD_STRICT=1`` makes clients strict."""
+    os.environ["CKPTD_STRICT"] = "1"
+    raised = ""
+    try:
+        with orchestrator.CheckpointManager(root, strict=False) as manager:
+            manager.save(4, {"model": build(0)}, force=True)  # already promoted: refused
+    except orchestrator.SaveRefused as exc:
+        raised = exc.code
+    finally:
+        del os.environ["CKPTD_STRICT"]
+    say(event="not_strict", raised=raised)
+
+
 def main() -> None:
     """Run every part in order on this rank."""
     parser = argparse.ArgumentParser()
@@ -172,6 +189,7 @@ def main() -> None:
     ddp(args.ddp_root)
     fsdp2(args.fsdp_root)
     refused(args.ddp_root, args.unserved)
+    not_strict(args.ddp_root)
     dist.destroy_process_group()
     say(event="done")
 

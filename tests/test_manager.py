@@ -122,4 +122,11 @@ class TestStrict:
     def test_refusals_raise(self, job: dict[str, list[dict[str, Any]]]) -> None:
         for line in _each_rank(job, "refused"):
             assert line["codes"] == ["already_promoted", "root_not_configured"], line
+
+    def test_not_strict_under_a_strict_environment(
+        self, job: dict[str, list[dict[str, Any]]]
+    ) -> None:
+        # The manager applies strict itself; CKPTD_STRICT=1 does not override strict=False.
+        for line in _each_rank(job, "not_strict"):
+            assert line["raised"] == "", line
         assert len(job.get("done", [])) == 2
