@@ -33,8 +33,14 @@ WORLD = 2
 
 
 def say(**event: Any) -> None:
-    """One JSON line on stdout."""
-    print(json.dumps(event), flush=True)
+    """One JSON line on stdout, in one write.
+
+    The workers log to the same stream (their stderr is this process's stdout): with
+    ``print``, which writes the text and its newline apart when the stream is unbuffered
+    (``PYTHONUNBUFFERED``), a worker's line could land between the two.
+    """
+    sys.stdout.write(json.dumps(event) + "\n")
+    sys.stdout.flush()
 
 
 def reward(step: int) -> float:

@@ -28,6 +28,7 @@ import pytest
 
 from orchestrator import CheckpointClient
 from orchestrator.nemo_rl import retention_table, retention_toml
+from tests._system import require_tool
 from tests.conftest import REPO, DaemonProcess
 
 pytestmark = pytest.mark.slow
@@ -72,7 +73,10 @@ class Run:
                 line = raw.decode(errors="replace")
                 self.output.append(line)
                 if line.startswith("{"):
-                    self.events.put(json.loads(line))
+                    try:
+                        self.events.put(json.loads(line))
+                    except ValueError:  # not an event: the output keeps it for the failure
+                        pass
         self.events.put({"event": "_exit"})
 
     def wait_event(self, name: str, **match: Any) -> dict[str, Any]:
@@ -144,3 +148,22 @@ class TestGrpoShape:
         settled(daemon, root, top_k(list(range(1, 8))))
         assert on_disk(root) == [4, 7]
         assert "Traceback" not in "".join(again.output)
+
+
+class TestEventLines:
+    """The example writes each event line in one write, so its workers' logs cannot split it."""
+
+    def test_one_write_per_event(self, tmp_path: Path) -> None:
+        require_tool("strace")
+        trace = tmp_path / "trace"
+        code = f"import runpy; runpy.run_path({str(EXAMPLE)!r})['say'](event='saving', step=7)"
+        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+        subprocess.run(
+            ["strace", "-f", "-e", "trace=write", "-o", str(trace), sys.executable, "-c", code],
+            check=True,
+            env=env,
+            stdout=subprocess.PIPE,
+        )
+        writes = [line for line in trace.read_text().splitlines() if "write(1," in line]
+        assert len(writes) == 1, writes
+        assert '{\\"event\\": \\"saving\\", \\"step\\": 7}\\n' in writes[0], writes
