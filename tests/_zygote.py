@@ -32,7 +32,7 @@ import threading
 import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from tests import _zygote_spawn
 
@@ -401,12 +401,7 @@ def _become_spawned(request: dict[str, Any], fds: list[int]) -> None:
         code = _zygote_spawn.become(request, fds)
     except BaseException:
         traceback.print_exc()
-    for out_stream in (sys.stdout, sys.stderr):
-        try:
-            out_stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
+    _end(code)
 
 
 def _child(request: dict[str, Any], out: int, path: str) -> None:
@@ -457,6 +452,11 @@ def _child(request: dict[str, Any], out: int, path: str) -> None:
         code = _exit_code(exc)
     except BaseException:
         traceback.print_exc()
+    _end(code)
+
+
+def _end(code: int) -> NoReturn:
+    """End a forked child with ``code``, its output flushed (no interpreter teardown)."""
     for out_stream in (sys.stdout, sys.stderr):
         try:
             out_stream.flush()

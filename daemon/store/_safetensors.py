@@ -163,10 +163,7 @@ def _header(path: str) -> tuple[dict[str, object], int]:
         raw = _read_exact(fd, _LEN, length)
     finally:
         os.close(fd)
-    try:
-        header = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise SafetensorsError(f"header is not JSON ({str(exc)[:_MAX_SHOWN]})") from None
+    header = _decode(raw, "header is ")
     if not isinstance(header, dict):
         raise SafetensorsError("header is not a JSON object")
     return header, size - _LEN - length
@@ -227,10 +224,7 @@ def _weight_map(path: str) -> dict[str, str]:
         raw = _read_exact(fd, 0, size)
     finally:
         os.close(fd)
-    try:
-        index = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise SafetensorsError(f"not JSON ({str(exc)[:_MAX_SHOWN]})") from None
+    index = _decode(raw, "")
     weights = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weights, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weights.items()
@@ -292,3 +286,16 @@ def check_index(path: str) -> list[str]:
     if len(problems) > _MAX_NAMED:
         problems[_MAX_NAMED:] = [f"... and {len(problems) - _MAX_NAMED} more"]
     return problems
+
+
+def _decode(raw: bytes, subject: str) -> object:
+    """``raw`` decoded as JSON, without executing anything.
+
+    Raises:
+        SafetensorsError: it is not JSON (the message begins ``{subject}not JSON``).
+    """
+    try:
+        value: object = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise SafetensorsError(f"{subject}not JSON ({str(exc)[:_MAX_SHOWN]})") from None
+    return value
