@@ -36,16 +36,18 @@ DEFAULT_TMP_PREFIX: Final = "tmp_step_"
 _layout_decoder: Final = msgspec.json.Decoder(p.RootInfo)
 
 
-def read_layout_file(root: str) -> str | None:
-    """The ``tmp_prefix`` that ``ROOT/.ckptd-layout.json`` gives, if it is there and sane.
+def read_layout_file(root: str) -> tuple[str, str] | None:
+    """Where ``ROOT/.ckptd-layout.json`` says steps are written, if it is there and sane.
 
     Args:
         root: The checkpoint root.
 
     Returns:
-        The prefix, or None when the file is missing, unreadable, not a
-        :class:`~orchestrator.protocol.RootInfo`, or names a prefix that is not a plain
-        name (empty, or holding ``/`` or NUL).
+        The directory holding the steps being written (the root, or its staging
+        directory) and the ``tmp_prefix``; None when the file is missing, unreadable,
+        not a :class:`~orchestrator.protocol.RootInfo`, names a prefix that is not a
+        plain name (empty, or holding ``/`` or NUL), or a staging directory that is
+        not absolute.
     """
     try:
         with open(os.path.join(root, p.LAYOUT_FILE), "rb") as fh:
@@ -55,7 +57,9 @@ def read_layout_file(root: str) -> str | None:
     prefix = info.tmp_prefix
     if not prefix or "/" in prefix or "\0" in prefix or prefix in (".", ".."):
         return None
-    return prefix
+    if info.staging and not os.path.isabs(info.staging):
+        return None
+    return info.staging or root, prefix
 
 
 def make_step_dir(path: str) -> list[str]:
@@ -104,7 +108,7 @@ class Layouts:
         # Written on the I/O thread, read elsewhere with a plain (atomic) dict lookup.
         self._learned: dict[str, tuple[str, str]] = {}  # root -> (directory, tmp prefix)
         # Written by callers' threads; a race only reads the same file twice.
-        self._files: dict[str, str] = {}  # root -> tmp prefix from its layout file
+        self._files: dict[str, tuple[str, str]] = {}  # root -> (directory, tmp prefix)
 
     def learned(self, root: str, step: int) -> str | None:
         """The step's directory as the daemon named the root's, if it did yet."""
@@ -122,13 +126,13 @@ class Layouts:
         path = self.learned(root, step)
         if path is not None:
             return path
-        prefix = self._files.get(root)
-        if prefix is None:
-            prefix = read_layout_file(root)
-            if prefix is None:
+        found = self._files.get(root)
+        if found is None:
+            found = read_layout_file(root)
+            if found is None:
                 return None
-            self._files[root] = prefix
-        return os.path.join(root, f"{prefix}{step}")
+            self._files[root] = found
+        return os.path.join(found[0], f"{found[1]}{step}")
 
     @staticmethod
     def default(root: str, step: int) -> str:

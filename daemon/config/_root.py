@@ -54,6 +54,13 @@ class RootConfig:
     s3: S3Options | None = None
     """Where and as whom an ``s3://`` root is reached (TOML ``[roots.s3]``); None: from
     the AWS environment alone. Only for ``s3://`` roots."""
+    staging: str = ""
+    """Where step N is written (``<staging>/<tmp_prefix>N``) when not in the root: an
+    absolute directory on the root's filesystem, outside it (a trainer that lists its
+    output directory, such as transformers' ``Trainer``, never sees a save in flight).
+    "": in the root. The promotion renames from here into the root, so the two must be
+    one filesystem; they are checked to be one device when the configuration is
+    loaded."""
 
     def __post_init__(self) -> None:
         if is_s3_url(self.path):
@@ -84,6 +91,8 @@ class RootConfig:
                 f"poll_budget {self.poll_budget!r} of root {self.path} must be from 10 to "
                 "1000000 looks a second (what the shared filesystem's server can take)"
             )
+        if self.staging:
+            self._check_staging()
         if self.tmp_prefix.startswith(self.final_prefix) or self.final_prefix.startswith(
             self.tmp_prefix
         ):
@@ -93,9 +102,31 @@ class RootConfig:
                 f"{self.final_prefix!r} must not be prefixes of each other"
             )
 
+    def _check_staging(self) -> None:
+        where = f"staging {self.staging!r} of root {self.path}"
+        if is_s3_url(self.path):
+            raise ConfigError(
+                f"{where}: an s3:// root has no staging directory (nothing is renamed)"
+            )
+        if not os.path.isabs(self.staging) or os.path.normpath(self.staging) != self.staging:
+            raise ConfigError(
+                f"{where} must be an absolute, normalised path (no '..', no trailing '/')"
+            )
+        for a, b in ((self.staging, self.path), (self.path, self.staging)):
+            if a == b or a.startswith(b.rstrip(os.sep) + os.sep):
+                raise ConfigError(
+                    f"{where} must be outside the root and must not hold it (a directory "
+                    "beside the root, e.g. ROOT.staging)"
+                )
+
+    @property
+    def staging_dir(self) -> str:
+        """The directory that holds the steps being written: :attr:`staging`, else the root."""
+        return self.staging or self.path
+
     def tmp_dir(self, step: int) -> str:
         """Directory step ``step`` is written into."""
-        return os.path.join(self.path, f"{self.tmp_prefix}{step}")
+        return os.path.join(self.staging_dir, f"{self.tmp_prefix}{step}")
 
     def final_dir(self, step: int) -> str:
         """Directory step ``step`` is promoted to."""
@@ -167,6 +198,8 @@ def build_root(table: dict[str, Any], source: str | None) -> RootConfig:
         )
     if "s3" in extra:  # the [roots.s3] sub-table
         extra["s3"] = parse_s3_options(extra["s3"], path)
+    if extra.get("staging") and not s3:
+        extra["staging"] = _staging(path, str(extra["staging"]))
     # An object store has no symlinks: the URL is the root's one name.
     real = path if s3 else os.path.realpath(path)
     named = path if real != path else ""
@@ -174,6 +207,31 @@ def build_root(table: dict[str, Any], source: str | None) -> RootConfig:
         return RootConfig(path=real, real=real, named=named, **extra)
     except TypeError as exc:
         raise ConfigError(f"root {path}: {exc}") from exc
+
+
+def _staging(root: str, staging: str) -> str:
+    """A root's staging directory, resolved, once it is shown to be on the root's device.
+
+    Raises:
+        ConfigError: it is not absolute, not an existing directory, or on another
+            filesystem than the root (the promotion's rename could not cross).
+    """
+    if not os.path.isabs(staging):
+        raise ConfigError(
+            f"staging {staging!r} of root {root} must be an absolute path (a directory "
+            "beside the root on its filesystem)"
+        )
+    if not os.path.isdir(staging):
+        raise ConfigError(
+            f"staging {staging} of root {root} is not an existing directory; create it first"
+        )
+    if os.stat(staging).st_dev != os.stat(root).st_dev:
+        raise ConfigError(
+            f"staging {staging} of root {root} is on another filesystem than the root; the "
+            "promotion renames from one into the other, which only works on one filesystem: "
+            "put it beside the root"
+        )
+    return os.path.realpath(staging)
 
 
 def check_disjoint(roots: tuple[RootConfig, ...]) -> None:
@@ -203,6 +261,31 @@ def check_disjoint(roots: tuple[RootConfig, ...]) -> None:
                         f"{outer.named or outer.path}; roots must not nest (give each run "
                         "its own directory side by side)"
                     )
+    _check_stagings(roots)
+
+
+def _check_stagings(roots: tuple[RootConfig, ...]) -> None:
+    """Refuse a staging directory that is, holds or is inside another root or staging.
+
+    Each root's gc, recovery and set-asides treat every ``tmp_prefix`` entry of its
+    staging directory as its own; a directory shared with another root would have one
+    root's saves in flight removed as the other's orphans.
+    """
+    places = [(r, r.real or r.path, "root") for r in roots]
+    places += [(r, r.staging, "staging") for r in roots if r.staging]
+    for i, (a, pa, ka) in enumerate(places):
+        for b, pb, kb in places[i + 1 :]:
+            if a is b or "staging" not in (ka, kb):
+                continue
+            inside = pa.startswith(pb.rstrip(os.sep) + os.sep) or pb.startswith(
+                pa.rstrip(os.sep) + os.sep
+            )
+            if pa == pb or inside or _same_directory(pa, pb):
+                raise ConfigError(
+                    f"{ka} {pa} of root {a.named or a.path} and {kb} {pb} of root "
+                    f"{b.named or b.path} overlap; give each root its own staging directory, "
+                    "outside every root"
+                )
 
 
 def _same_directory(a: str, b: str) -> bool:

@@ -41,8 +41,7 @@ def ls(args: argparse.Namespace) -> int:
     latest = storage.read_pointer(root)
     kept = retention_cli.kept_column(retention(args, root) if status else None)
     rows: list[dict[str, Any]] = []
-    for name in storage.entries(root):
-        full = os.path.join(root.path, name)
+    for name, full in _entries(storage, root):
         if (step := root.parse_step(name, root.final_prefix)) is not None:
             manifest = _manifest(storage, full)
             rows.append(
@@ -91,6 +90,25 @@ def ls(args: argparse.Namespace) -> int:
         ],
     )
     return 0
+
+
+def _entries(storage: Storage, root: RootConfig) -> list[tuple[str, str]]:
+    """The root's entries and, when it stages elsewhere, its staging directory's steps."""
+    found = [(name, os.path.join(root.path, name)) for name in storage.entries(root)]
+    if root.staging:
+        staging = RootConfig(
+            path=root.staging,
+            real=root.staging,
+            tmp_prefix=root.tmp_prefix,
+            final_prefix=root.final_prefix,
+        )
+        found = [(n, f) for n, f in found if root.parse_step(n, root.tmp_prefix) is None]
+        found += [
+            (name, os.path.join(root.staging, name))
+            for name in storage.entries(staging)
+            if root.parse_step(name, root.tmp_prefix) is not None
+        ]
+    return found
 
 
 def _set_aside_rows(

@@ -46,7 +46,7 @@ LIVE: Final = frozenset(
 )
 """Top-level fields a reload applies at once; every other one needs a restart."""
 
-LAYOUT: Final = ("tmp_prefix", "final_prefix", "pointer")
+LAYOUT: Final = ("tmp_prefix", "final_prefix", "pointer", "staging")
 """Root fields that name directories on disk."""
 
 _DERIVED: Final = frozenset({"real", "named"})

@@ -49,7 +49,7 @@ def resolve_root(
     for layout in (status or {}).get("layouts", []):
         if layout["path"] in (path, real):
             names = {k: layout[k] for k in ("tmp_prefix", "final_prefix", "pointer")}
-            return RootConfig(path=real, real=real, **names)
+            return RootConfig(path=real, real=real, staging=layout.get("staging", ""), **names)
     require_present(storage, path)
     found = storage.read_layout(RootConfig(path=real, real=real))
     if found is not None:
@@ -59,6 +59,7 @@ def resolve_root(
             tmp_prefix=found.tmp_prefix,
             final_prefix=found.final_prefix,
             pointer=found.pointer,
+            staging=found.staging,
         )
     if status is None:
         daemon = f"the daemon at {socket} does not answer"

@@ -125,7 +125,7 @@ class Requests(Superseding, Rescues):
                     waits=self.waits,
                     waited_steps=len(self._waiters),
                     layouts=[
-                        p.RootInfo(r.path, r.tmp_prefix, r.final_prefix, r.pointer)
+                        p.RootInfo(r.path, r.tmp_prefix, r.final_prefix, r.pointer, r.staging)
                         for r in self.config.roots
                     ],
                     stalled=self.lanes.stalled(only),

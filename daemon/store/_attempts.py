@@ -102,7 +102,7 @@ def stage_marker(
         OSError: the unnamed file cannot be written or synced.
     """
     data = encode_marker(root, step, attempt, world_size, run)
-    return StagedMarker(data, stage(root.path, data))
+    return StagedMarker(data, stage(root.staging_dir, data))
 
 
 def encode_marker(root: RootConfig, step: int, attempt: str, world_size: int, run: str) -> bytes:
@@ -195,10 +195,13 @@ def prepare(
     if not sync:
         unsynced.insert(0, tmp)
     if created or moved is not None:
+        # The new directory's entry is in the staging directory; the trash's in the root.
+        changed = [root.staging_dir] if moved is None else list(_changed_by_move(root))
         if sync:
-            fsync_dir(root.path)
+            for directory in changed:
+                fsync_dir(directory)
         else:
-            unsynced.append(root.path)
+            unsynced += changed
     foreign = None if found is None else found.attempt
     return Prepared(moved=moved, foreign=foreign, created=created, unsynced=tuple(unsynced))
 
@@ -237,13 +240,22 @@ def set_aside(root: RootConfig, step: int, attempt: str, *, sync: bool = True) -
         return None
     moved = _to_trash(root, step, attempt, sync=sync)
     if sync:
-        fsync_dir(root.path)
+        for directory in _changed_by_move(root):
+            fsync_dir(directory)
     return moved
 
 
-def set_aside_dirs(root: RootConfig) -> tuple[str, str]:
-    """The directories a set-aside changes: the trash, then the root."""
-    return os.path.join(root.path, TRASH), root.path
+def set_aside_dirs(root: RootConfig) -> tuple[str, ...]:
+    """The directories a set-aside changes: the trash, the root, a staging directory.
+
+    The staging directory (the one the tmp directory left) only when the root has one.
+    """
+    return (os.path.join(root.path, TRASH), *_changed_by_move(root))
+
+
+def _changed_by_move(root: RootConfig) -> tuple[str, ...]:
+    """The directories whose entries a move of a tmp directory into the trash changes."""
+    return (root.path, root.staging) if root.staging else (root.path,)
 
 
 def trash_name(root: RootConfig, step: int, attempt: str) -> str:

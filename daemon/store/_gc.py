@@ -91,7 +91,7 @@ def tmp_dirs(
     says ``begin`` is not robbed. Walks the orphans' files.
     """
     found: list[TmpDir] = []
-    with os.scandir(root.path) as entries:
+    with os.scandir(root.staging_dir) as entries:
         for entry in entries:
             step = root.parse_step(entry.name, root.tmp_prefix)
             if step is None or step in busy:
@@ -134,8 +134,11 @@ def kept_entries(root: RootConfig) -> list[KeptEntry]:
 
 
 def unknown_tmp_dirs(root: RootConfig, known: Collection[int]) -> list[int]:
-    """Steps with a tmp directory in ``root`` that are not in ``known``. Blocking I/O."""
-    with os.scandir(root.path) as entries:
+    """Steps with a tmp directory (in the root's staging directory) not in ``known``.
+
+    Blocking I/O.
+    """
+    with os.scandir(root.staging_dir) as entries:
         steps = (root.parse_step(e.name, root.tmp_prefix) for e in entries)
         return sorted(s for s in steps if s is not None and s not in known)
 
@@ -176,8 +179,13 @@ def doom(
 
 
 def sync_doomed(root: RootConfig) -> None:
-    """Make renames into the doomed area durable: fsync it, the trash and the root."""
-    for path in (doomed_dir(root), os.path.join(root.path, TRASH), root.path):
+    """Make renames into the doomed area durable: fsync it, the trash and the root.
+
+    And the staging directory the tmp directories left, when the root has one.
+    """
+    paths = [doomed_dir(root), os.path.join(root.path, TRASH), root.path]
+    paths += [root.staging] if root.staging else []
+    for path in paths:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             os.fsync(fd)

@@ -255,7 +255,7 @@ class LocalStorage:
         """See :func:`daemon.store._attempts.set_aside`."""
         return _attempts.set_aside(root, step, attempt, sync=sync)
 
-    def set_aside_dirs(self, root: RootConfig) -> tuple[str, str]:
+    def set_aside_dirs(self, root: RootConfig) -> tuple[str, ...]:
         """See :func:`daemon.store._attempts.set_aside_dirs`."""
         return _attempts.set_aside_dirs(root)
 

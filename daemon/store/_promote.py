@@ -216,6 +216,9 @@ def _after_rename(
     tmp, final = source or root.tmp_dir(step), root.final_dir(step)
     try:
         storage.fsync(root.path, directory=True)
+        if root.staging and os.path.dirname(tmp) == root.staging:
+            # The rename crossed directories: the entry it removed is in the staging one.
+            storage.fsync(root.staging, directory=True)
     except OSError as exc:
         if not undo:
             raise PromotionError(

@@ -203,7 +203,7 @@ class RoutedStorage:
         """See :meth:`daemon.store._storage.Storage.set_aside`."""
         return self._for(root).set_aside(root, step, attempt, sync=sync)
 
-    def set_aside_dirs(self, root: RootConfig) -> tuple[str, str]:
+    def set_aside_dirs(self, root: RootConfig) -> tuple[str, ...]:
         """See :meth:`daemon.store._storage.Storage.set_aside_dirs`."""
         return self._for(root).set_aside_dirs(root)
 

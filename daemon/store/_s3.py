@@ -433,7 +433,7 @@ class S3Storage(S3Keep, S3Nodes):
         """
         return self.url(root, step, attempt)
 
-    def set_aside_dirs(self, root: RootConfig) -> tuple[str, str]:
+    def set_aside_dirs(self, root: RootConfig) -> tuple[str, ...]:
         """The prefixes a set-aside would change: the root's (nothing is moved on a store)."""
         return root.path, root.path
 

@@ -206,8 +206,8 @@ class Storage(Protocol):
         """
         ...
 
-    def set_aside_dirs(self, root: RootConfig) -> tuple[str, str]:
-        """The directories a set-aside changes (the trash, the root)."""
+    def set_aside_dirs(self, root: RootConfig) -> tuple[str, ...]:
+        """The directories a set-aside changes (the trash, the root, a staging directory)."""
         ...
 
     def flush_dirs(self, paths: Sequence[str]) -> None:

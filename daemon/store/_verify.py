@@ -285,8 +285,9 @@ def _checked_tmp(root: RootConfig, tmp: str) -> str:
         raise VerificationError(f"{tmp} is not a directory")
     real_tmp = os.path.realpath(tmp)
     real_root = os.path.realpath(root.path)
+    real_staging = os.path.realpath(root.staging_dir)
     # The save's own tmp directory, or a failed attempt's set aside in the root's trash.
-    if os.path.dirname(real_tmp) not in (real_root, os.path.join(real_root, TRASH)):
+    if os.path.dirname(real_tmp) not in (real_staging, os.path.join(real_root, TRASH)):
         raise VerificationError(f"{tmp} resolves to {real_tmp}, outside root {root.path}")
     return real_tmp
 

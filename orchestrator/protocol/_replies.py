@@ -132,13 +132,16 @@ class SaveInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     """For a save that spans nodes: this node's marker is durable."""
 
 
-class RootInfo(msgspec.Struct, frozen=True):
+class RootInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     """A configured root and how its directories are named."""
 
     path: str
     tmp_prefix: str
     final_prefix: str
     pointer: str
+    staging: str = ""
+    """The directory the steps are written in when it is not the root (the root's
+    ``staging`` option); "": the root."""
 
 
 class StallInfo(msgspec.Struct, frozen=True, kw_only=True):
