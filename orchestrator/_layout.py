@@ -28,7 +28,7 @@ import msgspec
 from . import protocol as p
 from ._objstore import is_object_url
 
-__all__ = ["DEFAULT_TMP_PREFIX", "Layouts", "make_step_dir", "read_layout_file"]
+__all__ = ["DEFAULT_TMP_PREFIX", "Layouts", "make_step_dir", "read_layout", "read_layout_file"]
 
 log = logging.getLogger("orchestrator")
 
@@ -39,15 +39,28 @@ _layout_decoder: Final = msgspec.json.Decoder(p.RootInfo)
 def read_layout_file(root: str) -> tuple[str, str] | None:
     """Where ``ROOT/.ckptd-layout.json`` says steps are written, if it is there and sane.
 
+    Returns:
+        The directory holding the steps being written (the root's fast tier, its
+        staging directory, or the root) and the ``tmp_prefix``; None as for
+        :func:`read_layout`.
+    """
+    info = read_layout(root)
+    if info is None:
+        return None
+    return info.fast or info.staging or root, info.tmp_prefix
+
+
+def read_layout(root: str) -> p.RootInfo | None:
+    """What ``ROOT/.ckptd-layout.json`` says, if it is there and sane.
+
     Args:
         root: The checkpoint root.
 
     Returns:
-        The directory holding the steps being written (the root, or its staging
-        directory) and the ``tmp_prefix``; None when the file is missing, unreadable,
-        not a :class:`~orchestrator.protocol.RootInfo`, names a prefix that is not a
-        plain name (empty, or holding ``/`` or NUL), or a staging directory that is
-        not absolute.
+        The root's layout (``staging``, ``fast``: where its steps are written when
+        not in the root), or None when the file is missing, unreadable, not a
+        :class:`~orchestrator.protocol.RootInfo`, names a prefix that is not a plain
+        name (empty, or holding ``/`` or NUL), or a directory that is not absolute.
     """
     try:
         with open(os.path.join(root, p.LAYOUT_FILE), "rb") as fh:
@@ -59,7 +72,9 @@ def read_layout_file(root: str) -> tuple[str, str] | None:
         return None
     if info.staging and not os.path.isabs(info.staging):
         return None
-    return info.staging or root, prefix
+    if info.fast and not os.path.isabs(info.fast):
+        return None
+    return info
 
 
 def make_step_dir(path: str) -> list[str]:

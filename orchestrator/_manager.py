@@ -25,6 +25,7 @@ from ._dcp import async_save, checkpoint_group
 from ._errors import SaveRefused
 from ._objstore import is_object_url, storage_reader
 from ._steps import find_pointer, find_step
+from ._tiers import has_fast_tier, restore_point
 from ._tracking import SaveHandle, describe
 
 __all__ = ["CheckpointManager"]
@@ -168,6 +169,13 @@ class CheckpointManager:
         if metrics:
             handle.add_metrics(metrics)
         futures: list[Future[Any]] = []
+        extra: dict[str, Any] = {}
+        if has_fast_tier(self.root) and self._client.resolve_local_world_size(world_size) not in (
+            None,
+            world_size,
+        ):
+            # Per-rank metadata: each node keeps what its own ranks read (docs/tiers.md).
+            extra["use_collectives"] = False
         for name, values in states.items():
             result = async_save(
                 {name: values},
@@ -176,6 +184,7 @@ class CheckpointManager:
                 subdir=name,
                 client=self._client,
                 handle=handle,
+                **extra,
             )
             futures.append(getattr(result, "upload_completion", result))
         handle.seal()
@@ -209,10 +218,16 @@ class CheckpointManager:
         self.wait_until_finished()
         states = _states.capture(state)
         chosen: list[Any] = [None]
-        if dist.get_rank() == 0:
+        if step is None and has_fast_tier(self.root):
+            # Every rank asks its node's daemon; one daemon decided for the whole run.
+            found = restore_point(
+                self.root, self._client, rank=dist.get_rank(), world_size=dist.get_world_size()
+            )
+            chosen[0] = None if found is None else (found.step, found.path)
+        elif dist.get_rank() == 0:
             found = find_pointer(self.root) if step is None else find_step(self.root, step)
             chosen[0] = None if found is None else (found.step, found.path)
-        if dist.get_world_size() > 1:
+        if dist.get_world_size() > 1 and not (step is None and has_fast_tier(self.root)):
             dist.broadcast_object_list(chosen, src=0, group=checkpoint_group(_CONTROL))
         if chosen[0] is None:
             if step is not None:

@@ -316,6 +316,29 @@ class OpsClient:
         )
         return msgspec.convert(reply, p.WaitReply)
 
+    def restore(
+        self,
+        root: str,
+        rank: int,
+        world_size: int,
+        *,
+        local_world_size: int | None = None,
+        timeout: float = 60.0,
+    ) -> p.RestoreReply:
+        """Ask which step this rank of a restarting job loads, and from which tier. Blocks.
+
+        Every rank of the run gets the same step (docs/tiers.md).
+
+        Raises:
+            DaemonError: the daemon refused, or could not be reached.
+        """
+        local = self.resolve_local_world_size(world_size, local_world_size)
+        request = p.Restore(
+            id=0, root=absolute_root(root), rank=rank, world_size=world_size,
+            local_world_size=local, run=self.run, timeout=timeout,
+        )  # fmt: skip
+        return msgspec.convert(self.call(request, timeout + 10.0), p.RestoreReply)
+
     def ping(self, timeout: float = 2.0) -> bool:
         """Whether the daemon answers within ``timeout`` seconds."""
         try:

@@ -48,6 +48,7 @@ FS_CALLS = frozenset(
 FS_OUTSIDE_STORE: Mapping[str, str] = {
     "daemon.config._config": "reads the configuration file",
     "daemon.config._root": "checks that configured roots exist and resolves their symlinks",
+    "daemon.config._tiers": "checks that a root's fast tier exists and resolves its symlinks",
     "daemon.server._lifecycle": "the daemon's own socket file and state directory",
 }
 """Modules outside ``store/`` that may touch a filesystem, and why: neither is a root."""

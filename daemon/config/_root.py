@@ -9,6 +9,7 @@ from typing import Any, Final
 from ..base._errors import ConfigError
 from ._retention import RetentionConfig, parse_retention
 from ._s3 import S3Options, is_s3_url, parse_s3_options, split_s3_url
+from ._tiers import FastTier, parse_fast
 from ._types import check_types
 
 __all__ = ["RootConfig", "abspath", "build_root", "check_disjoint"]
@@ -61,6 +62,9 @@ class RootConfig:
     "": in the root. The promotion renames from here into the root, so the two must be
     one filesystem; they are checked to be one device when the configuration is
     loaded."""
+    fast: FastTier | None = None
+    """The root's node-local fast tier (TOML ``[roots.fast]``, docs/tiers.md); None:
+    ranks write into the root itself."""
 
     def __post_init__(self) -> None:
         if is_s3_url(self.path):
@@ -200,6 +204,8 @@ def build_root(table: dict[str, Any], source: str | None) -> RootConfig:
         extra["s3"] = parse_s3_options(extra["s3"], path)
     if extra.get("staging") and not s3:
         extra["staging"] = _staging(path, str(extra["staging"]))
+    if "fast" in extra:  # the [roots.fast] sub-table
+        extra["fast"] = parse_fast(extra["fast"], path, s3=s3)
     # An object store has no symlinks: the URL is the root's one name.
     real = path if s3 else os.path.realpath(path)
     named = path if real != path else ""

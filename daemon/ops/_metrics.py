@@ -39,6 +39,7 @@ from orchestrator import protocol as p
 from ..config._config import Config
 from ..ledger._ledger import Ledger
 from ._retention_metrics import Report, RetentionMetrics
+from ._tier_metrics import TierMetrics
 
 __all__ = ["FAILURE_REASONS", "Metrics", "failure_reason"]
 
@@ -249,6 +250,7 @@ class Metrics(Collector):
         )
         info.labels(version=version).set(1)
         self.retention = RetentionMetrics(reg, daemon.config.roots)
+        self.tiers = TierMetrics(reg)
         ProcessCollector(registry=reg)
         PlatformCollector(registry=reg)
         GCCollector(registry=reg)
@@ -268,6 +270,7 @@ class Metrics(Collector):
             "config.reloaded": self._reloaded,
             "config.reload_failed": self._reload_failed,
             **self.retention.handlers,
+            **self.tiers.handlers,
         }
 
     def bind_loop(self) -> None:

@@ -79,6 +79,7 @@ async def serve(
             daemon.promoter.group = promotions
             daemon.attempt_dirs.group = promotions
             daemon.nodes.group = promotions
+            daemon.tiers.group = promotions
             async with anyio.create_task_group() as services:
                 reloader = Reloader(daemon, reload_config, services)
                 if handle_signals:  # before anything slow: a SIGTERM is never lost
@@ -89,6 +90,9 @@ async def serve(
                 daemon.trash.start()  # also deletes what a previous run doomed
                 await services.start(daemon.retention.serve)
                 services.start_soon(daemon.timekeeper)
+                daemon.drainer.group = services
+                await daemon.tiers.recover()
+                services.start_soon(daemon.drainer.watch)
                 if exporter is not None:
                     services.start_soon(exporter.write_textfile)
                 if shutdown_trigger is not None:
@@ -112,6 +116,8 @@ async def serve(
                     reloader.ready.set()
                     task_status.started(daemon)
                     await stop.wait()
+                    daemon.tiers.stopping = True
+                    await daemon.drainer.stop()  # the newest local steps, within grace
                     daemon.stopping = True
                     _systemd.notify_stopping()
                     daemon.events.emit("daemon.stopping")

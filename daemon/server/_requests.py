@@ -36,6 +36,8 @@ from ._owners import AttemptDirs
 from ._rejoin import rejoin
 from ._rescues import Rescues
 from ._supersede import Superseding
+from ._tierrestore import Restorer
+from ._tiers import TierSaves
 
 __all__ = ["VERSION", "Requests"]
 
@@ -67,6 +69,9 @@ class Requests(Superseding, Rescues):
     clock: Callable[[], float]
     _started: float
     _local: set[str]
+    _internal: set[int]
+    tiers: TierSaves
+    restorer: Restorer
     _waiters: dict[SaveKey, anyio.Event]
     _waiting: dict[SaveKey, int]
 
@@ -93,9 +98,16 @@ class Requests(Superseding, Rescues):
             case p.Health():
                 return await self.health.reply(request.id, VERSION)
             case p.Begin():
+                root = self.configured(request.root)
+                if root.fast is not None and conn not in self._internal:
+                    return await self.tiers.begin(conn, request, root)
                 return await self._begin(conn, request)
+            case p.Restore():
+                return await self.restorer.restore(request)
             case p.Done(root=root_path, step=step, rank=rank, files=files):
                 root = self.configured(root_path)
+                if root.fast is not None and conn not in self._internal:
+                    return self.tiers.done(request, root)
                 for entry in files:
                     check_relative(entry.path)
                 key = SaveKey(root.path, step)
@@ -108,6 +120,8 @@ class Requests(Superseding, Rescues):
                 return p.Ack(id=request.id)
             case p.Fail(root=root_path, step=step, rank=rank, reason=reason):
                 root = self.configured(root_path)
+                if root.fast is not None and conn not in self._internal:
+                    return self.tiers.fail(request, root)
                 key = SaveKey(root.path, step)
                 attempt = request.attempt
                 await self.commit(self.ledger.fail(key, rank, reason, now(), attempt=attempt))
@@ -310,8 +324,18 @@ class Requests(Superseding, Rescues):
             f"every rank; if that attempt is dead, ckptd gc --yes removes it",
         )
 
-    async def settled(self, request: p.Wait, root: RootConfig) -> p.WaitReply:
-        """The reply to ``wait``, once the step settles or ``request.timeout`` passes."""
+    async def settled(
+        self, request: p.Wait, root: RootConfig, *, durable: bool = False
+    ) -> p.WaitReply:
+        """The reply to ``wait``, once the step settles or ``request.timeout`` passes.
+
+        On a root with a fast tier, a save of the fast tier settles when it is promoted
+        there (``durable``: the durable root's save of the step, a drain's).
+        """
+        if root.fast is not None and not durable:
+            tiered = await self.tiers.settled(request, root)
+            if tiered is not None:
+                return tiered
         key = SaveKey(root.path, request.step)
         with anyio.move_on_after(request.timeout):
             while (

@@ -39,9 +39,12 @@ from ..store._routed import RoutedStorage
 from ..store._storage import Storage
 from ..store._trash import TrashRemover
 from ._connection import Connection
+from ._drain import Drainer
 from ._owners import AttemptDirs
 from ._promotion import Promoter
 from ._requests import VERSION, Requests
+from ._tierrestore import Restorer
+from ._tiers import TierSaves
 
 __all__ = ["VERSION", "Daemon"]
 
@@ -121,6 +124,23 @@ class Daemon(Requests):
         """Saves that span nodes: the attempt agreed, markers written and watched."""
         self.promoter.claimed = self.nodes.follow_later
         self.nodes.promote = self.promoter.start
+        self._internal: set[int] = set()
+        self.tiers = TierSaves(self)
+        """Saves into roots' fast tiers (docs/tiers.md)."""
+        self.drainer = Drainer(self, self.tiers)
+        """Drains fast-tier steps to their durable roots."""
+        self.restorer = Restorer(self, self.tiers)
+        """Answers ``restore``."""
+
+    def internal_conn(self) -> int:
+        """A connection id for the daemon's own requests (a drain's writers)."""
+        conn = next(self._conn_ids)
+        self._internal.add(conn)
+        return conn
+
+    async def begin_internal(self, conn: int, request: p.Begin) -> p.BeginReply:
+        """``begin`` on the durable root itself, for a drain (never the fast tier)."""
+        return await self._begin(conn, request)
 
     # -- effects -----------------------------------------------------------------------
 

@@ -57,7 +57,8 @@ def write_layout(root: RootConfig) -> bool:
         OSError: the root cannot be written.
     """
     path = os.path.join(root.path, LAYOUT_FILE)
-    info = RootInfo(root.path, root.tmp_prefix, root.final_prefix, root.pointer, root.staging)
+    fast = "" if root.fast is None else root.fast.path
+    info = RootInfo(root.path, root.tmp_prefix, root.final_prefix, root.pointer, root.staging, fast)
     data = msgspec.json.encode(info) + b"\n"
     try:
         with open(path, "rb") as fh:

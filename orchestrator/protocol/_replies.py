@@ -23,6 +23,7 @@ __all__ = [
     "GcReply",
     "HealthReply",
     "LatestReply",
+    "RestoreReply",
     "PingReply",
     "RankInfo",
     "RetentionInfo",
@@ -142,6 +143,9 @@ class RootInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     staging: str = ""
     """The directory the steps are written in when it is not the root (the root's
     ``staging`` option); "": the root."""
+    fast: str = ""
+    """The node-local directory the steps are written in when the root has a fast tier
+    (its ``[roots.fast]``, docs/tiers.md); "": none."""
 
 
 class StallInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -197,6 +201,19 @@ class LatestReply(_Reply, frozen=True, kw_only=True):
 
     path: str
     step: int
+
+
+class RestoreReply(_Reply, frozen=True, kw_only=True):
+    """Reply to ``restore``: the step to load and where; ``step`` None: nothing to load.
+
+    ``tier`` is ``fast`` (``path`` is on this node's fast tier) or ``durable``;
+    ``reason`` says why a newer fast-tier step was not offered, if one was not.
+    """
+
+    step: int | None = None
+    path: str | None = None
+    tier: str = "durable"
+    reason: str = ""
 
 
 class GcReply(_Reply, frozen=True, kw_only=True):

@@ -27,6 +27,7 @@ __all__ = [
     "Ping",
     "Promote",
     "Request",
+    "Restore",
     "Retention",
     "Score",
     "Status",
@@ -154,6 +155,22 @@ class Latest(_Request, frozen=True, tag="latest"):
     root: PathStr
 
 
+class Restore(_Request, frozen=True, tag="restore"):
+    """Which step this rank of a restarting job loads, and from where (docs/tiers.md).
+
+    Every rank of run ``run`` gets the same step: on a root with a fast tier, one
+    daemon decides once every node has said what its tier holds; elsewhere, the
+    root's newest promoted step. ``timeout``: how long to wait for the other nodes.
+    """
+
+    root: PathStr
+    rank: Rank
+    world_size: WorldSize
+    local_world_size: WorldSize | None = None
+    run: RunId | None = None
+    timeout: Seconds = 60.0
+
+
 class Subscribe(_Request, frozen=True, tag="subscribe"):
     """Stream every event to this connection from now on."""
 
@@ -229,6 +246,7 @@ Request = (
     | Wait
     | Status
     | Latest
+    | Restore
     | Subscribe
     | Gc
     | Promote

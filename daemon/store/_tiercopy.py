@@ -1,0 +1,182 @@
+"""Copying a fast-tier part to the durable root: checked, throttled, at low IO priority.
+
+Each file is read once from the fast tier, hashed as it is read (the copy is of the
+bytes the part file's checksum was computed over, or the copy fails), written to the
+durable root's save directory and flushed; then the copy is read back and hashed, and
+must match. A drain's bandwidth is capped by a token bucket shared by its threads, and
+each thread lowers its own IO priority (``ioprio_set``) first.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import threading
+import time
+from typing import Final
+
+from ..base._errors import VerificationError
+
+__all__ = ["Throttle", "copy_checked", "copy_part", "lower_io_priority", "write_small"]
+
+_CHUNK: Final = 4 << 20
+_IOPRIO_WHO_PROCESS: Final = 1
+_IOPRIO_CLASS_SHIFT: Final = 13
+_CLASSES: Final = {"best-effort": (2, 7), "idle": (3, 0)}
+_SYS_IOPRIO_SET: Final = {"x86_64": 251, "aarch64": 30}
+
+
+class Throttle:
+    """A token bucket: at most ``rate`` bytes a second across the threads sharing it."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self._lock = threading.Lock()
+        self._next = time.monotonic()
+
+    def take(self, n: int) -> None:
+        """Wait until ``n`` more bytes may pass."""
+        if self.rate <= 0:
+            return
+        with self._lock:
+            now = time.monotonic()
+            start = max(self._next, now - 0.25)  # at most a quarter second of burst
+            self._next = start + n / self.rate
+            wait = start - now
+        if wait > 0:
+            time.sleep(wait)
+
+
+def lower_io_priority(kind: str) -> bool:
+    """Set this thread's IO priority class (``idle``/``best-effort``); whether it took."""
+    if kind not in _CLASSES:
+        return False
+    number = _SYS_IOPRIO_SET.get(os.uname().machine)
+    if number is None:
+        return False
+    cls, level = _CLASSES[kind]
+    libc = ctypes.CDLL(None, use_errno=True)
+    tid = threading.get_native_id()
+    return (
+        int(libc.syscall(number, _IOPRIO_WHO_PROCESS, tid, (cls << _IOPRIO_CLASS_SHIFT) | level))
+        == 0
+    )
+
+
+def copy_checked(
+    src: str, dst: str, size: int, sha256: str, throttle: Throttle, *, read_back: bool = True
+) -> int:
+    """Copy ``src`` to a new ``dst`` (parents made), checked against ``size``/``sha256``.
+
+    Returns:
+        The bytes copied.
+
+    Raises:
+        VerificationError: the source or the copy is not what the checksum says.
+        OSError: a read or write failed (the partial copy is removed).
+    """
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    digest = hashlib.sha256()
+    copied = 0
+    tmp = f"{dst}.ckptd-drain.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        with open(src, "rb", buffering=0) as f:
+            buf = bytearray(_CHUNK)
+            view = memoryview(buf)
+            while n := f.readinto(buf):
+                throttle.take(n)
+                digest.update(view[:n])
+                written = 0
+                while written < n:
+                    written += os.write(fd, view[written:n])
+                copied += n
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    if copied != size or digest.hexdigest() != sha256:
+        os.unlink(tmp)
+        raise VerificationError(
+            f"{src} no longer matches its checksum (fast tier damaged since it was sealed)"
+        )
+    if read_back:
+        back = hashlib.sha256()
+        with open(tmp, "rb", buffering=0) as f:
+            buf = bytearray(_CHUNK)
+            view = memoryview(buf)
+            while n := f.readinto(buf):
+                back.update(view[:n])
+        if back.hexdigest() != sha256:
+            os.unlink(tmp)
+            raise VerificationError(f"the copy of {src} at {dst} does not match its checksum")
+    os.replace(tmp, dst)
+    return copied
+
+
+def copy_part(
+    src_dir: str,
+    dst_dir: str,
+    files: list[tuple[str, int, str]],
+    *,
+    threads: int,
+    rate: float,
+    ionice: str,
+) -> int:
+    """Copy a part's ``files`` (path, size, sha256) from ``src_dir`` into ``dst_dir``.
+
+    ``threads`` files at a time, in threads of their own at IO priority ``ionice``,
+    together at most ``rate`` bytes a second (0: uncapped). A file already there with
+    the right checksum (a drain resumed) is not copied again.
+
+    Returns:
+        The bytes copied.
+
+    Raises:
+        VerificationError, OSError: as :func:`copy_checked`; the first one met.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    throttle = Throttle(rate)
+
+    def one(entry: tuple[str, int, str]) -> int:
+        path, size, sha = entry
+        dst = os.path.join(dst_dir, path)
+        if _matches(dst, size, sha):
+            return 0
+        return copy_checked(os.path.join(src_dir, path), dst, size, sha, throttle)
+
+    with ThreadPoolExecutor(
+        max_workers=max(1, threads),
+        thread_name_prefix="ckptd-drain",
+        initializer=lower_io_priority,
+        initargs=(ionice,),
+    ) as pool:
+        return sum(pool.map(one, files))
+
+
+def _matches(path: str, size: int, sha256: str) -> bool:
+    try:
+        if os.stat(path).st_size != size:
+            return False
+        digest = hashlib.sha256()
+        with open(path, "rb", buffering=0) as f:
+            while chunk := f.read(_CHUNK):
+                digest.update(chunk)
+        return digest.hexdigest() == sha256
+    except OSError:
+        return False
+
+
+def write_small(path: str, data: bytes) -> None:
+    """Write a small file (parents made) and flush it."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)

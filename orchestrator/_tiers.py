@@ -1,0 +1,66 @@
+"""Restoring from a root with a fast tier: ask the daemon, fall back to the durable root.
+
+A root with a fast tier (its layout file names it) is restored from the step its
+daemons decided for the run (``restore``, docs/tiers.md): the fast tier's copy when
+every node holds what its ranks read, else the durable root's newest. Without a
+daemon, the durable root's ``latest`` is the answer, as for any root.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from ._errors import DaemonError
+from ._layout import read_layout
+from ._objstore import is_object_url
+from ._steps import Found, find_pointer
+
+if TYPE_CHECKING:
+    from ._ops import OpsClient
+
+__all__ = ["has_fast_tier", "restore_point"]
+
+log = logging.getLogger("orchestrator")
+
+
+def has_fast_tier(root: str) -> bool:
+    """Whether ``root``'s layout file says its steps are written into a fast tier."""
+    if is_object_url(root):
+        return False
+    info = read_layout(root)
+    return info is not None and bool(info.fast)
+
+
+def restore_point(
+    root: str,
+    client: OpsClient | None = None,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    local_world_size: int | None = None,
+    timeout: float = 60.0,
+) -> Found | None:
+    """The step this rank restores and where: the daemon's decision for the run.
+
+    ``rank`` and ``world_size`` default to torchrun's ``RANK`` and ``WORLD_SIZE`` (0 and
+    1). An unreachable daemon, or one that cannot decide, leaves the durable root's
+    ``latest`` (logged once per call).
+    """
+    if client is None:
+        from ._dcp import default_client
+
+        client = default_client()
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    try:
+        reply = client.restore(
+            root, rank, world_size, local_world_size=local_world_size, timeout=timeout
+        )
+    except DaemonError as exc:
+        log.warning("ckptd: no restore decision for %s (%s); the durable root's latest", root, exc)
+        return find_pointer(root)
+    if reply.step is None or reply.path is None:
+        return None
+    return Found(step=reply.step, path=reply.path)
