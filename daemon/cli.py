@@ -141,6 +141,12 @@ def _parser() -> argparse.ArgumentParser:
         inspect.verify,
     )
     verify.add_argument("path")
+    verify.add_argument(
+        "--deep",
+        action="store_true",
+        help="also re-hash every file against the checksums a fast tier recorded "
+        "(a step in a fast tier, or drained from one; docs/tiers.md)",
+    )
     verify.add_argument("--json", action="store_true")
 
     rescue = command(

@@ -17,9 +17,10 @@ if TYPE_CHECKING:
     from ._client import CheckpointClient
     from ._dcp import AfterBeginPlanner, async_save, checkpoint_group, default_client
     from ._manager import CheckpointManager
-    from ._objstore import latest, open_file, storage_reader, storage_writer
+    from ._objstore import open_file, storage_reader, storage_writer
     from ._pending import Begun, PendingBegin
     from ._sync import save
+    from ._tiers import latest
     from ._tracking import SaveHandle, files_from_metadata
 
 __all__ = [
@@ -56,7 +57,7 @@ _LAZY = {
     "checkpoint_group": "._dcp",
     "default_client": "._dcp",
     "save": "._sync",
-    "latest": "._objstore",
+    "latest": "._tiers",
     "open_file": "._objstore",
     "storage_reader": "._objstore",
     "storage_writer": "._objstore",

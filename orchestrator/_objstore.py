@@ -134,11 +134,7 @@ def open_file(path: str, mode: str = "rb") -> Any:
 
 
 def latest(root: str, pointer: str = "latest") -> str | None:
-    """Where the newest promoted checkpoint of ``root`` is.
-
-    Without asking the daemon, except on a root with a fast tier: there every rank gets
-    the step the daemons decided for the run, from the fast tier or the durable root
-    (:func:`orchestrator._tiers.restore_point`; docs/tiers.md).
+    """Where the newest promoted checkpoint of ``root`` is, without asking the daemon.
 
     On an object store: one GET of the root's pointer object, which only ever names a
     committed step (no LIST). On a filesystem: the ``latest`` symlink (or ``latest.txt``).
@@ -154,12 +150,6 @@ def latest(root: str, pointer: str = "latest") -> str | None:
     Raises:
         OSError: the store could not be read (other than the pointer being absent).
     """
-    if not is_object_url(root) and pointer == "latest":
-        from ._tiers import has_fast_tier, restore_point
-
-        if has_fast_tier(root):  # the daemons' decision for the run (docs/tiers.md)
-            found = restore_point(root)
-            return None if found is None else found.path
     if not is_object_url(root):
         link = os.path.join(root, pointer)
         try:

@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING
 from ._errors import DaemonError
 from ._layout import read_layout
 from ._objstore import is_object_url
+from ._objstore import latest as durable_latest
 from ._steps import Found, find_pointer
 
 if TYPE_CHECKING:
     from ._ops import OpsClient
 
-__all__ = ["has_fast_tier", "restore_point"]
+__all__ = ["has_fast_tier", "latest", "restore_point"]
 
 log = logging.getLogger("orchestrator")
 
@@ -64,3 +65,19 @@ def restore_point(
     if reply.step is None or reply.path is None:
         return None
     return Found(step=reply.step, path=reply.path)
+
+
+def latest(root: str, pointer: str = "latest") -> str | None:
+    """Where the checkpoint to resume from is: ``orchestrator.latest``.
+
+    On a root with a fast tier, the step the daemons decided for this run
+    (:func:`restore_point`: the fast tier's copy, or the durable root's); elsewhere the
+    root's ``pointer`` read without the daemon (:func:`orchestrator._objstore.latest`).
+
+    Raises:
+        OSError: the object store could not be read.
+    """
+    if pointer == "latest" and has_fast_tier(root):
+        found = restore_point(root)
+        return None if found is None else found.path
+    return durable_latest(root, pointer)

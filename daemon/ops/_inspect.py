@@ -24,6 +24,8 @@ from ..store._attempts import TRASH
 from ..store._routed import RoutedStorage
 from ..store._safetensors import is_index, is_safetensors
 from ..store._storage import Storage
+from ..store._tier import read_part
+from ..store._tierverify import deep_verify
 from ..store._verify import Manifest
 from . import _retention_cmds as retention_cli
 from ._queries import Unreachable, call, daemon_status, refused, retention, socket_of, table
@@ -197,9 +199,18 @@ def verify(args: argparse.Namespace) -> int:
     storage = RoutedStorage()
     path = abspath(args.path)
     require_present(storage, path)
-    problems = storage.verify_checkpoint(path)
-    checked = [] if problems else _checked(storage, path)
+    deep = getattr(args, "deep", False) and not is_s3_url(path)
+    tier_part = deep and read_part(path) is not None
+    problems = [] if tier_part else storage.verify_checkpoint(path)
+    checked = [] if problems or tier_part else _checked(storage, path)
+    if deep:
+        hashed, wrong = deep_verify(path)
+        problems += wrong
+        if not wrong:
+            checked.append(f"{hashed} files: each re-hashed, matching its recorded SHA-256")
     unchecked = NOT_CHECKED_S3 if is_s3_url(path) else NOT_CHECKED
+    if deep:
+        unchecked = "the daemon's own files (manifest, markers, part), which no checksum covers"
     if args.json:
         report = {"path": args.path, "ok": not problems, "problems": problems}
         print(json.dumps({**report, "checked": checked, "not_checked": [unchecked]}))
