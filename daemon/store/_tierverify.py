@@ -41,7 +41,7 @@ def deep_verify(path: str) -> tuple[int, list[str]]:
                 return 0, [f"{_SUMS}/{name}: unreadable ({exc})"]
             sums.update({rel: (None, sha) for rel, sha in recorded.items()})
     if not sums:
-        why = f"no checksums recorded ({PART} or {_SUMS}/): --deep checks steps saved through a fast tier"
+        why = f"no checksums recorded ({PART} or {_SUMS}/): --deep checks fast-tier steps"
         return 0, [why]
     problems = []
     for rel, (size, sha) in sorted(sums.items()):
