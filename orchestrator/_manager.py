@@ -105,6 +105,7 @@ class CheckpointManager:
         self._saves: list[tuple[int, SaveHandle, list[Future[Any]]]] = []
         self._last: int | None = None
         self._closed = False
+        self._tiered: bool | None = None  # whether the root has a fast tier (first save)
 
     @property
     def client(self) -> CheckpointClient:
@@ -170,7 +171,9 @@ class CheckpointManager:
             handle.add_metrics(metrics)
         futures: list[Future[Any]] = []
         extra: dict[str, Any] = {}
-        if has_fast_tier(self.root) and self._client.resolve_local_world_size(world_size) not in (
+        if self._tiered is None:
+            self._tiered = has_fast_tier(self.root)  # once: the layout file, one read
+        if self._tiered and self._client.resolve_local_world_size(world_size) not in (
             None,
             world_size,
         ):

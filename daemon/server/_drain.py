@@ -154,6 +154,8 @@ class Drainer:
                     if record is not None and record.state == "done":
                         self._done.add(key)
                         continue
+                    if record is not None and record.state == "failed":
+                        continue  # reported; the next step selected drains afresh
                     self.group.start_soon(self.drain, root, step)
 
     # -- one drain -----------------------------------------------------------------------

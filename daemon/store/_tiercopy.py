@@ -43,7 +43,7 @@ class Throttle:
             now = time.monotonic()
             start = max(self._next, now - 0.25)  # at most a quarter second of burst
             self._next = start + n / self.rate
-            wait = start - now
+            wait = self._next - now  # the bytes pass once their time has come
         if wait > 0:
             time.sleep(wait)
 

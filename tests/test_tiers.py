@@ -1,0 +1,308 @@
+"""Fast tiers (docs/tiers.md): save into a node-local tier, drain, restore.
+
+Real daemons, real files, real signals. The nodes are simulated (``tests/_nodes.py``):
+each has its own mount namespace, the shared durable root on a caching bindfs mount, and
+its own fast tier, a private directory bound at the same path on every node. Ranks speak
+the wire protocol, except in the single-node restore, a real DCP save and restore
+through ``orchestrator.CheckpointManager`` with the fast tier on tmpfs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests._nodes import Cluster, cluster, wait_until
+from tests._ranks import free_port, start_rank
+from tests._system import require_root
+from tests.conftest import REPO, DaemonProcess, LineClient
+
+WORKER = REPO / "tests" / "_tiers_worker.py"
+
+
+def tier_config(
+    home: Path, root: Path, fast: Path, *, root_extra: str = "", **settings: Any
+) -> Path:
+    """A TOML file configuring ``root`` with the fast tier ``fast`` and ``settings``."""
+    lines = ["[[roots]]", f'path = "{root}"', root_extra, "[roots.fast]", f'path = "{fast}"']
+    lines += [f"{k} = {json.dumps(v)}" for k, v in settings.items()]
+    path = home / f"tiers-{root.name}.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def save(
+    client: LineClient, root: Path, step: int, files: dict[str, bytes], *, rank: int = 0,
+    world: int = 1, local: int | None = None, run: str = "torchelastic:job:0",
+    write: Callable[[str], Path] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """One rank's save of ``step``: begin, write ``files`` where told, done; the begin reply."""
+    fields: dict[str, Any] = {"local_world_size": local} if local is not None else {}
+    begun = client.request(
+        "begin", root=str(root), step=step, rank=rank, world_size=world, run=run, **fields
+    )
+    assert begun["ok"], begun
+    base = write(begun["path"]) if write is not None else Path(begun["path"])
+    for rel, data in files.items():
+        (base / rel).parent.mkdir(parents=True, exist_ok=True)
+        (base / rel).write_bytes(data)
+    entries = [{"path": rel, "size": len(data)} for rel, data in files.items()]
+    done = client.request(
+        "done", root=str(root), step=step, rank=rank, files=entries, attempt=begun["attempt"]
+    )
+    assert done["ok"], done
+    return begun
+
+
+def at(step: int, root: Path | None = None) -> Callable[[dict[str, Any]], bool]:
+    """An event matcher: of ``step`` (and of ``root``)."""
+    return lambda e: e["step"] == step and (root is None or e["root"] == str(root))
+
+
+def sha(path: Path) -> str:
+    """SHA-256 of a file."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# -- across nodes --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_nodes() -> Iterator[tuple[Cluster, Path, list[Path]]]:
+    """Two nodes, each with its own fast tier at one path, and their daemons."""
+    with cluster(2) as nodes:
+        fast = nodes.base / "fast"  # the path every node names; bound privately in each
+        fast.mkdir()
+        private = []
+        for node in nodes:
+            own = nodes.base / f"{node.name}-fast"
+            own.mkdir()
+            private.append(own)
+            bound = node.run(["mount", "--bind", str(own), str(fast)])
+            assert bound.returncode == 0, bound.stderr
+            config = tier_config(
+                node.home, nodes.root, fast, root_extra='watch = "poll"\npoll_interval = 0.1',
+                keep=3, drain_every_steps=2, node_timeout=20,
+            )  # fmt: skip
+            node.start_daemon([], "--config", str(config))
+        yield nodes, fast, private
+
+
+def save_on_both(nodes: Cluster, private: list[Path], step: int) -> None:
+    """Rank r of a 2-rank job saves ``step`` on node r, one file each."""
+    for rank, node in enumerate(nodes):
+        with node.connect() as client:
+            save(
+                client, nodes.root, step, {f"model/r{rank}.bin": os.urandom(50_000)},
+                rank=rank, world=2, local=1,
+                write=lambda path, own=private[rank]: own / Path(path).name,  # type: ignore[misc]
+            )  # fmt: skip
+
+
+def restore_on_both(nodes: Cluster, run: str) -> list[dict[str, Any]]:
+    """Both ranks of run ``run`` ask where to restore from, at once; the replies."""
+    replies: list[dict[str, Any]] = [{}, {}]
+
+    def ask(rank: int) -> None:
+        replies[rank] = nodes[rank].request(
+            "restore", root=str(nodes.root), rank=rank, world_size=2, local_world_size=1,
+            run=run, timeout=30,
+        )  # fmt: skip
+
+    threads = [threading.Thread(target=ask, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return replies
+
+
+@pytest.mark.slow
+def test_two_nodes_save_locally_drain_and_restore(
+    two_nodes: tuple[Cluster, Path, list[Path]],
+) -> None:
+    """Local promotion across nodes, a drain committed by the usual rules, restores.
+
+    Restores come from the fast tier while both nodes hold their parts, and from the
+    durable root for every rank once one node's tier is wiped.
+    """
+    nodes, fast, private = two_nodes
+    n0, n1 = (node.daemon for node in nodes)
+    assert n0 is not None and n1 is not None
+    for step in (1, 2, 3):
+        save_on_both(nodes, private, step)
+        for daemon in (n0, n1):
+            daemon.wait_event("tier.promoted", match=at(step))
+    for own in private:
+        assert (own / "step_3").is_dir() and os.readlink(own / "latest") == "step_3"
+    # Step 2 is selected (every 2 steps): each node drains its part, the leader commits.
+    n0.wait_event("checkpoint.promoted", match=lambda e: e["step"] == 2)
+    for daemon in (n0, n1):
+        drained = daemon.wait_event("tier.drained", match=lambda e: e["step"] == 2)
+        assert drained["bytes"] == 50_000
+    durable = nodes.backing_root / "step_2"
+    for rank in (0, 1):
+        copy = durable / "model" / f"r{rank}.bin"
+        assert sha(copy) == sha(private[rank] / "step_2" / "model" / f"r{rank}.bin")
+    assert not (nodes.backing_root / "step_3").exists()  # never selected
+    deep = subprocess.run(
+        [sys.executable, "-m", "daemon", "verify", "--deep", str(durable)],
+        cwd=REPO, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert deep.returncode == 0, deep.stdout + deep.stderr
+
+    # A restart: step 3 is complete in the fast tier, newer than durable step 2.
+    replies = restore_on_both(nodes, "torchelastic:job:1")
+    assert [(r.get("step"), r.get("tier")) for r in replies] == [(3, "fast")] * 2, replies
+    assert replies[0]["path"] == str(fast / "step_3")
+
+    # Node 1's tier is wiped (a replaced node): every rank restores durable step 2.
+    for entry in private[1].iterdir():
+        shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    replies = restore_on_both(nodes, "torchelastic:job:2")
+    assert [(r.get("step"), r.get("tier")) for r in replies] == [(2, "durable")] * 2, replies
+    assert replies[1]["path"] == str(nodes.root / "step_2")
+    for daemon in (n0, n1):
+        event = daemon.wait_event("tier.restore", match=lambda e: e["run"].endswith(":2"))
+        assert event["source"] == "durable"
+
+
+# -- one node ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_sigkill_mid_drain_resumes(
+    tmp_path: Path, short_dir: Path, start: Callable[..., DaemonProcess]
+) -> None:
+    """A daemon killed mid-drain finishes it after a restart.
+
+    The durable step is then exactly the fast tier's.
+    """
+    root, fast = tmp_path / "run", tmp_path / "fast"
+    root.mkdir()
+    fast.mkdir()
+    config = tier_config(short_dir, root, fast, drain_every_steps=1, drain_rate_mb_s=2.0)
+    daemon = start([], "--config", str(config))
+    data = os.urandom(3_000_000)
+    with LineClient(daemon.socket_path) as client:
+        save(client, root, 1, {"m/big.bin": data})
+    daemon.wait_event("tier.drain_started", match=lambda e: e["step"] == 1)
+    partial = root / "tmp_step_1" / "m" / "big.bin.ckptd-drain.tmp"
+    wait_until(lambda: partial.exists() and partial.stat().st_size > 0, 20, "copy under way")
+    daemon.kill()
+    assert not (root / "step_1").exists()
+    again = start([], "--config", str(config), socket_name="d2.sock")
+    resumed = again.wait_event("tier.drain_started", match=lambda e: e["step"] == 1)
+    assert resumed["resumed"] is True
+    again.wait_event("tier.drained", match=lambda e: e["step"] == 1, timeout=30)
+    assert hashlib.sha256((root / "step_1" / "m" / "big.bin").read_bytes()).digest() == (
+        hashlib.sha256(data).digest()
+    )
+
+
+def test_full_fast_tier_fails_the_save_clearly(
+    tmp_path: Path, short_dir: Path, start: Callable[..., DaemonProcess]
+) -> None:
+    """A save the fast tier has no room for is refused at ``begin``, saying so.
+
+    The steps already there stay.
+    """
+    require_root("a tmpfs mount")
+    root, fast = tmp_path / "run", Path(tempfile.mkdtemp(prefix="ckf-", dir="/tmp"))
+    root.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(fast)])
+    assert mounted.returncode == 0
+    try:
+        config = tier_config(short_dir, root, fast)
+        daemon = start([], "--config", str(config))
+        with LineClient(daemon.socket_path) as client:
+            save(client, root, 1, {"m/a.bin": os.urandom(600_000)})
+            daemon.wait_event("tier.promoted", match=lambda e: e["step"] == 1)
+            refused = client.request("begin", root=str(root), step=2, rank=0, world_size=1)
+        assert not refused["ok"]
+        assert f"fast tier {fast} is full" in refused["error"]["message"]
+        assert daemon.wait_event("tier.full")["step"] == 2
+        assert (fast / "step_1" / "m" / "a.bin").stat().st_size == 600_000
+        daemon.stop()
+    finally:
+        subprocess.run(["umount", "-l", str(fast)], check=False)
+        fast.rmdir()
+
+
+def test_sigterm_drains_the_newest_step_within_grace(
+    tmp_path: Path, short_dir: Path, start: Callable[..., DaemonProcess]
+) -> None:
+    """On SIGTERM the newest local step is drained within the grace.
+
+    Where the grace is too short, the daemon says which step stays only in the fast tier.
+    """
+    roots = []
+    for name, rate in (("quick", 0.0), ("slow", 0.2)):
+        root, fast = tmp_path / name, tmp_path / f"{name}-fast"
+        root.mkdir()
+        fast.mkdir()
+        roots.append((root, fast))
+        extra: dict[str, Any] = {"drain_rate_mb_s": rate, "stop_grace": 1.0} if rate else {}
+        tier_config(short_dir, root, fast, **extra)
+    config = short_dir / "both.toml"
+    config.write_text("\n".join(p.read_text() for p in sorted(short_dir.glob("tiers-*.toml"))))
+    daemon = start([], "--config", str(config))
+    with LineClient(daemon.socket_path) as client:
+        for root, _fast in roots:
+            for step in (1, 2):
+                save(client, root, step, {"m/a.bin": os.urandom(400_000)})
+                daemon.wait_event("tier.promoted", match=at(step, root))
+    assert daemon.stop(signal.SIGTERM) == 0
+    quick, slow = (str(r) for r, _f in roots)
+    assert daemon.wait_event("tier.stop_drained", match=lambda e: e["root"] == quick)["step"] == 2
+    assert (roots[0][0] / "step_2").is_dir() and not (roots[0][0] / "step_1").exists()
+    unfinished = daemon.wait_event("tier.stop_drain_unfinished", match=lambda e: e["root"] == slow)
+    assert unfinished["step"] == 2 and unfinished["local"] == str(roots[1][1] / "step_2")
+    assert not (roots[1][0] / "step_2").exists()
+
+
+@pytest.mark.slow
+def test_single_node_restore_from_tmpfs(
+    short_dir: Path, start: Callable[..., DaemonProcess]
+) -> None:
+    """A restarted job restores the newest step from a fast tier on tmpfs.
+
+    Real DCP saves and restores through ``CheckpointManager``; nothing is drained.
+    """
+    base = Path(tempfile.mkdtemp(prefix="ckt-", dir="/dev/shm"))
+    try:
+        root, fast = short_dir / "run", base / "fast"
+        root.mkdir()
+        fast.mkdir()
+        config = tier_config(short_dir, root, fast)
+        daemon = start([], "--config", str(config))
+        for run, mode in (("torchelastic:t:0", "save"), ("torchelastic:t:1", "restore")):
+            env = {"TORCHELASTIC_RUN_ID": "t", "TORCHELASTIC_RESTART_COUNT": run[-1]}
+            proc = start_rank(
+                [str(WORKER), mode, str(root)], 0, 1, free_port(), daemon.socket_path, env
+            )
+            out, _ = proc.communicate(timeout=120)
+            lines = [json.loads(x) for x in out.decode().splitlines() if x.startswith("{")]
+            assert proc.returncode == 0, out.decode()[-3000:]
+            if mode == "save":
+                assert [x["path"] for x in lines] == [str(fast / "step_1"), str(fast / "step_2")]
+            else:
+                assert lines == [{"restored": 2, "same": True, "latest": str(fast / "step_2")}], (
+                    lines
+                )
+        assert daemon.wait_event("tier.restore")["source"] == "fast"
+        assert not (root / "step_2").exists()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
