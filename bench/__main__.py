@@ -34,6 +34,7 @@ from . import (
     scale,
     stall,
     throughput,
+    tiers,
 )
 from ._chart import draw
 from ._common import REPO, BenchResult, Row, machine_info, markdown_table, print_table
@@ -50,6 +51,7 @@ BENCHMARKS: dict[str, Callable[[bool], BenchResult]] = {
     "retention": retention.run,
     "s3": s3.run,
     "scale": scale.run,
+    "tiers": tiers.run,
 }
 """Every benchmark, in the order they run, by the name ``--only`` takes."""
 

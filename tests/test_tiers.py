@@ -193,7 +193,7 @@ def test_sigkill_mid_drain_resumes(
     root, fast = tmp_path / "run", tmp_path / "fast"
     root.mkdir()
     fast.mkdir()
-    config = tier_config(short_dir, root, fast, drain_every_steps=1, drain_rate_mb_s=2.0)
+    config = tier_config(short_dir, root, fast, drain_every_steps=1, drain_rate_mb_s=1.0)
     daemon = start([], "--config", str(config))
     data = os.urandom(3_000_000)
     with LineClient(daemon.socket_path) as client:

@@ -21,6 +21,7 @@ from ..base._errors import VerificationError
 __all__ = ["Throttle", "copy_checked", "copy_part", "lower_io_priority", "write_small"]
 
 _CHUNK: Final = 4 << 20
+_PACED_CHUNK: Final = 1 << 20  # under a bandwidth cap: smaller steps, a smoother pace
 _IOPRIO_WHO_PROCESS: Final = 1
 _IOPRIO_CLASS_SHIFT: Final = 13
 _CLASSES: Final = {"best-effort": (2, 7), "idle": (3, 0)}
@@ -69,6 +70,10 @@ def copy_checked(
 ) -> int:
     """Copy ``src`` to a new ``dst`` (parents made), checked against ``size``/``sha256``.
 
+    The source is hashed as it is read; the copy is read back and hashed as it is
+    written (a second thread follows the writer, so reading back overlaps writing, as
+    on a full-duplex network filesystem), then flushed; both must match the checksum.
+
     Returns:
         The bytes copied.
 
@@ -77,13 +82,15 @@ def copy_checked(
         OSError: a read or write failed (the partial copy is removed).
     """
     os.makedirs(os.path.dirname(dst), exist_ok=True)
+    chunk = _CHUNK if throttle.rate <= 0 else _PACED_CHUNK
     digest = hashlib.sha256()
     copied = 0
     tmp = f"{dst}.ckptd-drain.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    follower = _ReadBack(tmp) if read_back else None
     try:
         with open(src, "rb", buffering=0) as f:
-            buf = bytearray(_CHUNK)
+            buf = bytearray(chunk)
             view = memoryview(buf)
             while n := f.readinto(buf):
                 throttle.take(n)
@@ -92,9 +99,14 @@ def copy_checked(
                 while written < n:
                     written += os.write(fd, view[written:n])
                 copied += n
+                if follower is not None:
+                    follower.advance(copied)
+        back = follower.finish() if follower is not None else sha256
         os.fsync(fd)
     except BaseException:
         os.close(fd)
+        if follower is not None:
+            follower.finish()
         os.unlink(tmp)
         raise
     os.close(fd)
@@ -103,18 +115,59 @@ def copy_checked(
         raise VerificationError(
             f"{src} no longer matches its checksum (fast tier damaged since it was sealed)"
         )
-    if read_back:
-        back = hashlib.sha256()
-        with open(tmp, "rb", buffering=0) as f:
-            buf = bytearray(_CHUNK)
-            view = memoryview(buf)
-            while n := f.readinto(buf):
-                back.update(view[:n])
-        if back.hexdigest() != sha256:
-            os.unlink(tmp)
-            raise VerificationError(f"the copy of {src} at {dst} does not match its checksum")
+    if back != sha256:
+        os.unlink(tmp)
+        raise VerificationError(f"the copy of {src} at {dst} does not match its checksum")
     os.replace(tmp, dst)
     return copied
+
+
+class _ReadBack:
+    """Reads a file back, as far as it has been written, in a thread; its SHA-256."""
+
+    def __init__(self, path: str) -> None:
+        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self._digest = hashlib.sha256()
+        self._written = 0
+        self._ended = False
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="ckptd-drain-check")
+        self._thread.start()
+
+    def advance(self, written: int) -> None:
+        with self._cond:
+            self._written = written
+            self._cond.notify()
+
+    def finish(self) -> str:
+        with self._cond:
+            self._ended = True
+            self._cond.notify()
+        self._thread.join()
+        os.close(self._fd)
+        if self._error is not None:
+            raise self._error
+        return self._digest.hexdigest()
+
+    def _run(self) -> None:
+        offset = 0
+        try:
+            while True:
+                with self._cond:
+                    while offset >= self._written and not self._ended:
+                        self._cond.wait()
+                    target, ended = self._written, self._ended
+                while offset < target:
+                    data = os.pread(self._fd, min(_CHUNK, target - offset), offset)
+                    if not data:
+                        raise OSError(f"the copy ends at {offset} bytes, {target} written")
+                    self._digest.update(data)
+                    offset += len(data)
+                if ended and offset >= self._written:
+                    return
+        except BaseException as exc:  # reported by finish()
+            self._error = exc
 
 
 def copy_part(
