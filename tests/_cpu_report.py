@@ -26,6 +26,9 @@ from tests import _zygote
 SHOWN = int(os.environ.get("CKPTD_TEST_CPU_SHOWN", "10"))
 """How many test files the summary lists (``CKPTD_TEST_CPU_SHOWN``, default 10)."""
 
+BY_TEST = os.environ.get("CKPTD_TEST_CPU_BY") == "test"
+"""``CKPTD_TEST_CPU_BY=test``: the summary lists tests, not files (to find what to cut)."""
+
 _KEY = "ckptd_cpu_rows"
 _START_KEY = "ckptd_cpu_start"
 
@@ -54,7 +57,8 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
     try:
         return (yield)
     finally:
-        _rows.append((item.nodeid.split("::")[0], time.monotonic() - wall, _cpu() - cpu))
+        key = item.nodeid if BY_TEST else item.nodeid.split("::")[0]
+        _rows.append((key, time.monotonic() - wall, _cpu() - cpu))
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -86,7 +90,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         cpu[path] += c
         tests[path] += 1
     write = terminalreporter.write_line
-    terminalreporter.section(f"the {SHOWN} test files that cost the most CPU")
+    terminalreporter.section(
+        f"the {SHOWN} test {'s' if BY_TEST else 'file'}s that cost the most CPU"
+    )
     for path, seconds in sorted(cpu.items(), key=lambda kv: -kv[1])[:SHOWN]:
         write(f"{seconds:7.1f} s cpu {wall[path]:7.1f} s wall {tests[path]:5d} tests  {path}")
     started = ", ".join(f"{s:.1f}" for s in sorted(_start_cpu))

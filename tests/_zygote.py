@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from tests import _zygote_spawn
+from tests import _zygote_launch, _zygote_spawn
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -87,7 +87,9 @@ class ForkedProcess(subprocess.Popen[bytes]):
     process, is its parent and reaps it); signals go to its pid as to any process.
     """
 
-    def __init__(self, args: Sequence[str], conn: socket.socket, stdout: io.BufferedReader):
+    def __init__(
+        self, args: Sequence[str], conn: socket.socket, stdout: io.BufferedReader | None
+    ) -> None:
         # Popen.__init__ would start a process: set the attributes its methods use.
         self.args = list(args)
         self.stdin = None
@@ -305,8 +307,8 @@ def _serve(path: str, kind: str) -> None:
                 del children[child.pid]
                 child.reap()
                 requester = children.get(child.spawned_by or 0)
-                if requester is not None:  # an upload process a rank spawned: the rank's
-                    requester.extra_cpu += child.cpu
+                if requester is not None:  # an upload process a rank spawned, a
+                    requester.extra_cpu += child.cpu  # torchrun's rank: counted as theirs
         for child in children.values():
             child.answer_stop()
 
@@ -318,7 +320,9 @@ class _Child:
         self.sock = sock
         self.pid = pid
         self.spawned_by = spawned_by
-        """The rank whose ``multiprocessing`` spawn this is (``tests/_zygote_spawn.py``)."""
+        """The forked process that asked for this one: the rank whose ``multiprocessing``
+        spawn it is (``tests/_zygote_spawn.py``), the torchrun whose rank it is
+        (``tests/_zygote_launch.py``); its CPU is counted with theirs."""
         self.cpu = 0.0
         self.extra_cpu = 0.0
         """CPU of the processes it spawned through the zygote, reaped before it."""
@@ -380,12 +384,11 @@ def _fork(
         conn.close()
         if "spawn" in request:  # a forked rank's multiprocessing spawn
             _become_spawned(request, fds)
-        _child(request, fds[0], path)
+        _child(request, fds, path)
     for fd in fds:
         os.close(fd)
     conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-    spawned_by = request.get("mount_ns") if "spawn" in request else None
-    child = _Child(conn, pid, spawned_by)
+    child = _Child(conn, pid, request.get("parent"))
     selector.register(child.pidfd, selectors.EVENT_READ, child)
     selector.register(conn, selectors.EVENT_READ, ("conn", child))
     return child
@@ -395,24 +398,29 @@ def _become_spawned(request: dict[str, Any], fds: list[int]) -> None:
     """Become a process a rank spawned (``tests/_zygote_spawn.py``), in its namespace."""
     code = 1
     try:
-        rank = int(request["mount_ns"])
-        if os.stat(f"/proc/{rank}/ns/mnt").st_ino != os.stat("/proc/self/ns/mnt").st_ino:
-            _enter_mount_namespace(rank)
+        _enter_mount_namespace(int(request["mount_ns"]))
         code = _zygote_spawn.become(request, fds)
     except BaseException:
         traceback.print_exc()
     _end(code)
 
 
-def _child(request: dict[str, Any], out: int, path: str) -> None:
-    """Become the rank: its stdio, environment and directory, then run its ``argv``."""
+def _child(request: dict[str, Any], fds: list[int], path: str) -> None:
+    """Become the rank: its stdio, environment and directory, then run its ``argv``.
+
+    ``fds``: the pipe its stdout and stderr go to, or (``request["stdio"]``) its
+    requester's stdout and stderr (a torchrun's rank, ``tests/_zygote_launch.py``).
+    """
     code = 1
     try:
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
+        out, err = fds[:2] if request.get("stdio") else (fds[0], fds[0])
         os.dup2(out, 1)
-        os.dup2(out, 2)
+        os.dup2(err, 2)
         os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # the zygote's sockets, other ranks'
+        if request.get("setsid"):
+            os.setsid()  # as torchrun starts a rank: its own process group, for killpg
         # As a fresh interpreter has them (SIGPIPE stays ignored, as Python sets it).
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
@@ -428,7 +436,9 @@ def _child(request: dict[str, Any], out: int, path: str) -> None:
         argv = list(request["argv"])
         unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
         while argv and argv[0] in ("-u", "-B"):
-            unbuffered = unbuffered or argv.pop(0) == "-u"
+            unbuffered = argv.pop(0) == "-u" or unbuffered
+        if _zygote_launch.is_launcher(argv):
+            _zygote_launch.install()
         sys.stdin = open(0, encoding="utf-8", closefd=False)
         for fd, name in ((1, "stdout"), (2, "stderr")):
             stream = io.TextIOWrapper(
@@ -470,6 +480,8 @@ _CLONE_NEWNS = 0x00020000
 
 def _enter_mount_namespace(pid: int) -> None:
     """``setns(2)`` into ``pid``'s mount namespace (this child has one thread, as it must)."""
+    if os.stat(f"/proc/{pid}/ns/mnt").st_ino == os.stat("/proc/self/ns/mnt").st_ino:
+        return
     libc = ctypes.CDLL(None, use_errno=True)
     fd = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
     try:

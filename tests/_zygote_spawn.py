@@ -102,6 +102,7 @@ def _request(fds: list[int], tracker_fd: int, pipe_handle: int) -> tuple[socket.
             "env": dict(os.environ),
             "cwd": os.getcwd(),
             "mount_ns": os.getpid(),
+            "parent": os.getpid(),
         }
         passed = array.array("i", [*fds, 1, 2])
         message = [json.dumps(request).encode() + b"\n"]
