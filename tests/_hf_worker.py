@@ -31,6 +31,13 @@ BEST_STEP = 3
 """The step whose evaluation scores best."""
 
 
+def preload() -> None:
+    """Import what a rank uses (transformers takes about 7 s), before ranks are forked."""
+    import transformers.models.gpt2.modeling_gpt2  # noqa: F401
+
+    import orchestrator.transformers._trainer  # noqa: F401
+
+
 def emit(event: str, **fields: Any) -> None:
     """One JSON line on stdout, in one write."""
     rank = int(os.environ.get("RANK", "0"))
@@ -39,19 +46,20 @@ def emit(event: str, **fields: Any) -> None:
 
 def tiny_model() -> Any:
     """A 1-layer GPT-2 from a config, seeded: the same weights in every process."""
-    import torch  # noqa: PLC0415
-    import transformers  # noqa: PLC0415
+    import torch
+    import transformers
 
     torch.manual_seed(0)
     config = transformers.GPT2Config(
         vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2, use_cache=False
     )
-    return transformers.GPT2LMHeadModel(config)
+    model_class: Any = transformers.GPT2LMHeadModel
+    return model_class(config)
 
 
 def tiny_data(n: int, seed: int = 1) -> list[dict[str, Any]]:
     """``n`` examples of 8 tokens (labels = inputs), the same in every process."""
-    import torch  # noqa: PLC0415
+    import torch
 
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 64, (n, 8), generator=generator)
@@ -69,7 +77,7 @@ def digest(model: Any) -> str:
 
 def arguments(output_dir: str, steps: int, **overrides: Any) -> Any:
     """The job's ``TrainingArguments``: save and evaluate every step, keep 2 and the best."""
-    import transformers  # noqa: PLC0415
+    import transformers
 
     options: dict[str, Any] = {
         "output_dir": output_dir,
@@ -89,7 +97,8 @@ def arguments(output_dir: str, steps: int, **overrides: Any) -> Any:
         "logging_strategy": "no",
         "disable_tqdm": True,
         "use_cpu": True,
-        "ddp_backend": "gloo",
+        # gloo for a job's ranks; a single process (the in-process tests) has no group.
+        "ddp_backend": "gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
         "dataloader_num_workers": 0,
         "seed": 0,
     }
@@ -99,11 +108,11 @@ def arguments(output_dir: str, steps: int, **overrides: Any) -> Any:
 
 def train(output_dir: str, steps: int, die_at: int | None, resume: bool) -> None:
     """One rank of the job (see the module)."""
-    import transformers  # noqa: PLC0415
+    import transformers
 
-    from orchestrator.transformers import with_ckptd  # noqa: PLC0415
+    from orchestrator.transformers import with_ckptd
 
-    class JobTrainer(transformers.Trainer):  # type: ignore[misc]  # the job's own subclass
+    class JobTrainer(transformers.Trainer):  # the job's own subclass
         def _save_rng_state(self, output_dir: str) -> None:
             if die_at == self.state.global_step and self.args.process_index == 1:
                 with open(os.path.join(output_dir, "rng_state_1.pth"), "wb") as fh:
@@ -113,7 +122,7 @@ def train(output_dir: str, steps: int, die_at: int | None, resume: bool) -> None
                 os.kill(os.getpid(), signal.SIGKILL)
             super()._save_rng_state(output_dir)
 
-    class Reporter(transformers.TrainerCallback):  # type: ignore[misc]
+    class Reporter(transformers.TrainerCallback):
         def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             emit("loaded", step=state.global_step, digest=digest(kw["model"]))
 
@@ -162,15 +171,16 @@ def _options(argv: list[str]) -> tuple[str, int, int | None, bool]:
 
 
 def launch(argv: list[str]) -> int:
-    """torchrun's launcher with the ranks forked from it; its exit status."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch  # noqa: PLC0415
+    """Torchrun's launcher with the ranks forked from it; its exit status."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     parser = argparse.ArgumentParser()
     parser.add_argument("output_dir")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--port", type=int, required=True)
     ns, _ = parser.parse_known_args(argv)
+    preload()  # once here: the ranks are forked from this process
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

@@ -46,6 +46,15 @@ PRELOADS: Mapping[str, tuple[str, ...]] = {
         "torch.distributed.checkpoint",
         "nemo_automodel.components.checkpoint.checkpointing",
     ),
+    # transformers' Trainer jobs (tests/_hf_worker.py): importing it takes about 7 s.
+    "transformers": (
+        "torch",
+        "torch.distributed",
+        "torch.distributed.checkpoint",
+        "torch.distributed.launcher.api",
+        "orchestrator.transformers._trainer",
+        "transformers.models.gpt2.modeling_gpt2",
+    ),
     # ``ckptd serve`` (tests/conftest.py's DaemonProcess): the suite starts hundreds.
     "daemon": ("daemon.cli", "daemon.server._server", "uvloop", "daemon.store._s3client"),
 }
@@ -190,6 +199,8 @@ class Zygote:
         self._dir = tempfile.mkdtemp(prefix="ck-zyg-", dir="/tmp")
         self.socket_path = os.path.join(self._dir, "z.sock")
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        # pyarrow (transformers imports datasets) starts jemalloc's background thread.
+        env["JE_ARROW_MALLOC_CONF"] = "background_thread:false"
         cmd = [sys.executable, "-m", "tests._zygote", self.socket_path, kind]
         self._proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=REPO

@@ -1,11 +1,12 @@
-"""Whether ckptd serves a Trainer's ``output_dir``, laid out so that transformers cannot see saves in flight.
+"""Whether ckptd serves a Trainer's ``output_dir``, hiding saves in flight from it.
 
 transformers finds checkpoints by listing ``output_dir``: ``get_last_checkpoint`` takes
-the highest ``checkpoint-N`` directory (``^checkpoint-(\\d+)$``), and its rotation globs
+the highest ``checkpoint-N`` directory (``checkpoint-`` and digits), and its rotation globs
 ``checkpoint-*``. So the root the daemon serves must promote to ``checkpoint-N``
 (``final_prefix = "checkpoint-"``) and stage outside ``output_dir`` altogether (the
 root's ``staging`` directory, on the same filesystem), under a name that never starts
-with ``checkpoint-``. :func:`connect` asks the daemon once, when the trainer is built,
+with ``checkpoint-`` (the daemon refuses a ``tmp_prefix`` that starts with the
+``final_prefix``). :func:`connect` asks the daemon once, when the trainer is built,
 on every rank; the ranks agree (all of them use the daemon, or none does), so a save
 never has ranks writing to two different directories.
 """
@@ -217,11 +218,6 @@ def _layout_error(root: str, retention: Retention) -> str | None:
             "transformers lists its checkpoints; give the root a staging directory "
             f"beside it. {fix}"
         )
-    if info.tmp_prefix.startswith(FINAL_PREFIX):
-        return (
-            f"ckptd stages the checkpoints of {root} as {info.tmp_prefix}N, a name "
-            f"transformers would take for a checkpoint. {fix}"
-        )
     return None
 
 
@@ -234,7 +230,7 @@ def _read_layout(root: str) -> p.RootInfo | None:
 
 
 def _every_rank(mine: tuple[bool, str | None]) -> list[tuple[bool, str | None]]:
-    import torch.distributed as dist  # noqa: PLC0415  # the trainer's process has torch
+    import torch.distributed as dist  # the trainer's process has torch
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [mine]

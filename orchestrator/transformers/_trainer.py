@@ -251,7 +251,7 @@ def with_ckptd(trainer_class: _T) -> _T:
     return made  # type: ignore[return-value]
 
 
-class Trainer(CkptdMixin, transformers.Trainer):  # type: ignore[misc]  # untyped base
+class Trainer(CkptdMixin, transformers.Trainer):
     """transformers' ``Trainer``, its checkpoints promoted and retired by ckptd.
 
     The same arguments as ``transformers.Trainer``, and ``ckptd_client`` (see
