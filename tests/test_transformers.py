@@ -308,6 +308,7 @@ class TestWithDaemon:
         # load_best_model_at_end: the weights are checkpoint-1's.
         assert worker.digest(made.model) == weights(worker, out / "checkpoint-1")
         assert last_checkpoint(str(out)) == str(last)
+        saved_4 = weights(worker, last)  # before the resumed run's retention retires it
 
         # resume_from_checkpoint=True: the newest promoted checkpoint, its weights and state.
         seen: dict[str, Any] = {}
@@ -320,7 +321,7 @@ class TestWithDaemon:
         again = trainer(hf, worker, out, 6, client=served.client, best_at=1)
         again.add_callback(Probe())
         again.train(resume_from_checkpoint=True)
-        assert seen == {"step": 4, "digest": weights(worker, last)}
+        assert seen == {"step": 4, "digest": saved_4}
         served.promoted(5, 6)
         served.daemon.wait_event("checkpoint.retired", match=lambda e: e["step"] == 4)
         assert served.checkpoints() == ["checkpoint-1", "checkpoint-5", "checkpoint-6"]
