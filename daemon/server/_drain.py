@@ -57,6 +57,7 @@ class Drainer:
         self._running: dict[tuple[str, int], anyio.Event] = {}
         self._done: set[tuple[str, int]] = set()
         self._orders: dict[str, set[int]] = {}  # every node: orders seen
+        self._mine: set[tuple[str, int]] = set()  # orders this node wrote
         saves.promoted = self.promoted
 
     # -- selection (the leader) ----------------------------------------------------------
@@ -106,6 +107,7 @@ class Drainer:
             self._settle_order(root, step)
             return
         self._orders.setdefault(root.path, set()).add(step)
+        self._mine.add((root.path, step))
         await self.drain(root, step)
 
     def _settle_order(self, root: RootConfig, step: int) -> None:
@@ -324,6 +326,25 @@ class Drainer:
                 continue
             await self._saves.run(_tier.remove_step, tier, step)
             self._daemon.events.emit("tier.evicted", root=root.path, step=step, durable=durable)
+            await self._forget(root, step, durable)
+
+    async def _forget(self, root: RootConfig, step: int, durable: bool) -> None:
+        """Remove this node's facts of an evicted step from the coordination directory.
+
+        Its part (no restore can use the step here now) and, once the step is durable,
+        the drain order this node wrote (every node's part was committed by then).
+        """
+        daemon = self._daemon
+        name = f"{root.final_prefix}{step}"
+        facts = [f"parts/{name}/{daemon.config.node}.json"]
+        if durable and (root.path, step) in self._mine:
+            facts.append(f"drains/{name}.json")
+            self._mine.discard((root.path, step))
+        for rel in facts:
+            try:
+                await daemon.lanes.run(root.path, _tiercoord.remove_fact, root, rel)
+            except OSError:
+                pass  # a fact left behind is only a file, never read as a newer one
 
     async def stop(self) -> None:
         """On a clean stop: drain each root's newest local step within its grace."""

@@ -139,7 +139,14 @@ class Requests(Superseding, Rescues):
                     waits=self.waits,
                     waited_steps=len(self._waiters),
                     layouts=[
-                        p.RootInfo(r.path, r.tmp_prefix, r.final_prefix, r.pointer, r.staging)
+                        p.RootInfo(
+                            r.path,
+                            r.tmp_prefix,
+                            r.final_prefix,
+                            r.pointer,
+                            r.staging,
+                            "" if r.fast is None else r.fast.path,
+                        )  # fmt: skip
                         for r in self.config.roots
                     ],
                     stalled=self.lanes.stalled(only),
