@@ -12,12 +12,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -180,6 +182,71 @@ def test_two_nodes_save_locally_drain_and_restore(
 
 
 # -- one node ------------------------------------------------------------------------------
+
+
+def test_configuration_is_checked(tmp_path: Path) -> None:
+    """A fast tier's settings are validated like every other setting."""
+    from daemon.base._errors import ConfigError
+    from daemon.config._config import load_config
+
+    root, fast = tmp_path / "run", tmp_path / "fast"
+    root.mkdir()
+    fast.mkdir()
+    cases = {
+        "keep = 0": "keep 0 must be from 1",
+        'drain_ionice = "low"': "drain_ionice 'low' must be one of",
+        "shiny = 1": "unknown keys in [roots.fast]",
+    }
+    for line, message in cases.items():
+        config = tier_config(tmp_path, root, fast)
+        config.write_text(config.read_text() + line + "\n")
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(config_file=str(config))
+    inside = root / "fast"
+    inside.mkdir()
+    with pytest.raises(ConfigError, match="must not be inside its root"):
+        load_config(config_file=str(tier_config(tmp_path, root, inside)))
+    with pytest.raises(ConfigError, match="is not a directory"):
+        load_config(config_file=str(tier_config(tmp_path, root, tmp_path / "missing")))
+    loaded = load_config(
+        config_file=str(tier_config(tmp_path, root, fast, keep=3, drain_every_steps=5))
+    )
+    tier = loaded.roots[0].fast
+    assert tier is not None and (tier.path, tier.keep, tier.selects(10)) == (str(fast), 3, True)
+
+
+def test_a_lagging_drain_skips_older_steps_and_keeps_undrained_ones(
+    tmp_path: Path, short_dir: Path, start: Callable[..., DaemonProcess]
+) -> None:
+    """While a drain runs, a newer selected step replaces an older one waiting.
+
+    Retention (keep 1) evicts the skipped step, never the one being drained before it
+    is durable; the newest is drained next. The metrics count it all.
+    """
+    root, fast = tmp_path / "run", tmp_path / "fast"
+    root.mkdir()
+    fast.mkdir()
+    config = tier_config(short_dir, root, fast, keep=1, drain_every_steps=1, drain_rate_mb_s=1.0)
+    daemon = start([], "--config", str(config), "--metrics-listen", "127.0.0.1:0")
+    port = daemon.wait_event("metrics.listening")["port"]
+    with LineClient(daemon.socket_path) as client:
+        save(client, root, 1, {"m/a.bin": os.urandom(1_500_000)})
+        daemon.wait_event("tier.drain_started", match=at(1))
+        for step in (2, 3):
+            save(client, root, step, {"m/a.bin": os.urandom(1_000)})
+            daemon.wait_event("tier.promoted", match=at(step))
+    assert daemon.wait_event("tier.drain_skipped")["step"] == 2
+    assert daemon.wait_event("tier.evicted", match=at(2))["durable"] is False
+    daemon.wait_event("tier.drained", match=at(1), timeout=30)
+    assert daemon.wait_event("tier.evicted", match=at(1))["durable"] is True
+    daemon.wait_event("tier.drained", match=at(3), timeout=30)
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_1", "step_3"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    series = f'root="{root}"'
+    assert f'ckptd_tier_drains_total{{result="skipped",{series}}} 1.0' in text, text
+    assert f"ckptd_tier_local_step{{{series}}} 3.0" in text
+    assert f"ckptd_tier_drain_lag_steps{{{series}}} 0.0" in text
 
 
 @pytest.mark.slow

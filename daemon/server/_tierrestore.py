@@ -62,6 +62,7 @@ class _Gather:
     decision: Decision | None = None
     error: str = ""
     started: bool = False
+    generation: int = 0
 
 
 def _global(path: str) -> bool:
@@ -87,8 +88,13 @@ class Restorer:
         lws = request.local_world_size or request.world_size
         key = (root.path, run_key(request.run))
         gather = self._runs.get(key)
-        if gather is None or (gather.decided.is_set() and request.rank in gather.ranks):
-            gather = self._runs[key] = _Gather()  # a new restart of the same run name
+        if gather is None or (
+            gather.decided.is_set() and gather.generation != self._saves.generation
+        ):
+            # First ask of the run, or the run saved since its decision: decide afresh.
+            # Asked again with nothing saved since (a rank reading orchestrator.latest
+            # after its restore): the same answer.
+            gather = self._runs[key] = _Gather(generation=self._saves.generation)
         gather.ranks.add(request.rank)
         if len(gather.ranks) >= lws:
             gather.arrived.set()
@@ -226,6 +232,8 @@ def _choose(fast: int | None, durable: int | None, by: str, why: str) -> Decisio
     reason = why or ("" if fast is None else f"durable step {durable} is newer than {fast}")
     if fast is None and not why:
         reason = "no step in the fast tier holds every file of the ranks here"
+        if durable is None:
+            reason = "nothing saved yet"
     return Decision(step=durable, tier="durable", by=by, reason=reason)
 
 

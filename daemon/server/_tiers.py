@@ -110,6 +110,8 @@ class TierSaves:
         """Worker threads for fast-tier calls (never the durable root's lanes)."""
         self.group: TaskGroup | None = None
         self.stopping = False
+        self.generation = 0
+        """Local promotions so far (a restore decision is reused only while unchanged)."""
         self.promoted: Callable[[RootConfig, int, Part, bool], None] | None = None
         """Called after each local promotion (the drain's hook): root, step, this
         node's part, and whether this node serves rank 0 of the step."""
@@ -293,6 +295,7 @@ class TierSaves:
             if save is not None:
                 self._failed(save, f"local promotion failed: {exc}")
             return False
+        self.generation += 1
         daemon.events.emit(
             "tier.promoted", root=root.path, step=part.step, path=tier.final_dir(part.step),
             bytes=part.bytes, nodes=nodes, wait_ms=round((daemon.clock() - start) * 1000, 3),
