@@ -39,14 +39,21 @@ for _name in (*ENV_VARS, *RUN_VARS):
 _SHARED_FIXTURE = re.compile(r"@pytest\.fixture\(\s*scope=\"(module|class)\"")
 
 
+AUTOMODEL = "tests/automodel/"
+"""The tests that import nemo_automodel, in-process or in their ranks: one worker's."""
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Send each module whose tests share a module- or class-scoped fixture to one worker.
 
     Such a fixture (a 2-rank job whose checkpoint every test of the module reads) is set
     up once per worker that runs any of the module's tests: split across workers, its
-    cost is paid once per worker. Every other test is its own unit of work, dealt out
-    as ``--dist load`` would. (``--dist loadgroup`` with ``xdist_group`` marks would say
-    the same, but pytest 9 no longer lets xdist rename the node ids it groups by.)
+    cost is paid once per worker. ``tests/automodel`` is one unit: its ranks are forked
+    from a zygote that imported nemo_automodel (about 7 s of CPU each time one starts)
+    and its in-process tests import it, so one worker pays that, not every worker.
+    Every other test is its own unit of work, dealt out as ``--dist load`` would.
+    (``--dist loadgroup`` with ``xdist_group`` marks would say the same, but pytest 9 no
+    longer lets xdist rename the node ids it groups by.)
     """
     from xdist.scheduler import LoadScopeScheduling
 
@@ -59,6 +66,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     class SharedFixtureScheduling(LoadScopeScheduling):  # type: ignore[misc]  # untyped
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
+            if module.startswith(AUTOMODEL):
+                return AUTOMODEL
             return module if module in shared else nodeid
 
     return SharedFixtureScheduling(config, log)

@@ -17,12 +17,22 @@ import logging
 import subprocess
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-import orchestrator.automodel as module
-from orchestrator.automodel import AutomodelCheckpointManager, _manager
+if TYPE_CHECKING:
+    import orchestrator.automodel as module
+    from orchestrator.automodel import AutomodelCheckpointManager, _manager
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _imported() -> None:
+    """Import nemo_automodel when these tests run, not as every worker collects them."""
+    global module, AutomodelCheckpointManager, _manager
+    import orchestrator.automodel as module
+    from orchestrator.automodel import AutomodelCheckpointManager, _manager
+
 
 P = inspect.Parameter
 POS, KW = P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY
@@ -111,7 +121,6 @@ UPSTREAM_MAIN: dict[str, list[tuple[str, Any, Any]]] = {
 
 RELAXED = {"is_final_checkpoint", "checkpointing_cfg"}
 """Required by one generation, left out by the other (default None, or "not given")."""
-UNSET = _manager._UNSET
 
 GENERATIONS = [(REFERENCE, d) for d in sorted(REFERENCE)] + [
     (UPSTREAM_MAIN, d) for d in sorted(UPSTREAM_MAIN)
@@ -141,7 +150,7 @@ class TestReferenceNames:
                 assert got.kind in (KW, POS), name
             else:
                 assert got.kind is POS, name
-            relaxed = name in RELAXED and got.default in (None, UNSET)
+            relaxed = name in RELAXED and got.default in (None, _manager._UNSET)
             assert got.default == default or relaxed, name
         documented_names = {n for t in (REFERENCE, UPSTREAM_MAIN) for n, *_ in t.get(dotted, [])}
         for extra in params:

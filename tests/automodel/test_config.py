@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
-from nemo_automodel.components.checkpoint.config import CheckpointingConfig
 
-from orchestrator.automodel import _config, build_checkpoint_config
+if TYPE_CHECKING:
+    from nemo_automodel.components.checkpoint.config import CheckpointingConfig
+
+    from orchestrator.automodel import _config, build_checkpoint_config
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _imported() -> None:
+    """Import nemo_automodel when these tests run, not as every worker collects them."""
+    global CheckpointingConfig, _config, build_checkpoint_config
+    from nemo_automodel.components.checkpoint.config import CheckpointingConfig
+
+    from orchestrator.automodel import _config, build_checkpoint_config
+
 
 FLAGS: dict[str, Any] = {
     "model_repo_id": "Qwen/Qwen2.5-0.5B",

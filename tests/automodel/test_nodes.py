@@ -4,13 +4,23 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from orchestrator import CheckpointClient
-from orchestrator.automodel import AutomodelCheckpointManager
 from tests._peer import ScriptedDaemon
 from tests.automodel.conftest import RankJob
+
+if TYPE_CHECKING:
+    from orchestrator.automodel import AutomodelCheckpointManager
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _imported() -> None:
+    """Import nemo_automodel when these tests run, not as every worker collects them."""
+    global AutomodelCheckpointManager
+    from orchestrator.automodel import AutomodelCheckpointManager
 
 
 class TestChecked:

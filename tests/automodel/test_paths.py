@@ -9,18 +9,38 @@ import os
 import threading
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
-import nemo_automodel.components.checkpoint.checkpointing as am_checkpointing
 import pytest
-from nemo_automodel.components.checkpoint.config import CheckpointingConfig
 from torch.distributed.checkpoint.staging import DefaultStager
 
-from orchestrator.automodel import _resolve_lora_adapter_dir
-from orchestrator.automodel._lora import peft_load_dir
-from orchestrator.automodel._stager import accelerator_available, install_cpu_safe_stager
-from orchestrator.automodel._staging import refuse_on_store, stage_step
-from orchestrator.automodel._steps import locate_step
-from orchestrator.automodel._uploads import Turns
+if TYPE_CHECKING:
+    import nemo_automodel.components.checkpoint.checkpointing as am_checkpointing
+    from nemo_automodel.components.checkpoint.config import CheckpointingConfig
+
+    from orchestrator.automodel import _resolve_lora_adapter_dir
+    from orchestrator.automodel._lora import peft_load_dir
+    from orchestrator.automodel._stager import accelerator_available, install_cpu_safe_stager
+    from orchestrator.automodel._staging import refuse_on_store, stage_step
+    from orchestrator.automodel._steps import locate_step
+    from orchestrator.automodel._uploads import Turns
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _imported() -> None:
+    """Import nemo_automodel when these tests run, not as every worker collects them."""
+    global am_checkpointing, CheckpointingConfig, _resolve_lora_adapter_dir, peft_load_dir
+    global accelerator_available, install_cpu_safe_stager, refuse_on_store, stage_step
+    global locate_step, Turns
+    import nemo_automodel.components.checkpoint.checkpointing as am_checkpointing
+    from nemo_automodel.components.checkpoint.config import CheckpointingConfig
+
+    from orchestrator.automodel import _resolve_lora_adapter_dir
+    from orchestrator.automodel._lora import peft_load_dir
+    from orchestrator.automodel._stager import accelerator_available, install_cpu_safe_stager
+    from orchestrator.automodel._staging import refuse_on_store, stage_step
+    from orchestrator.automodel._steps import locate_step
+    from orchestrator.automodel._uploads import Turns
 
 
 def _adapter(directory: Path, *names: str) -> Path:

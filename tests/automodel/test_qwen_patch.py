@@ -4,20 +4,41 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import nemo_automodel.components.checkpoint.checkpointing as am_checkpointing
 import pytest
 import torch
-from nemo_automodel.components.checkpoint import conversion_mapping
-from nemo_automodel.components.checkpoint.checkpointing import _apply_key_mapping
-from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-import orchestrator.automodel
-from orchestrator.automodel import _patch_qwen_vl_vision_key_mapping
-from orchestrator.automodel._qwen_patch import DISABLE_ENV, _with_visual_rule, apply_at_import
+if TYPE_CHECKING:
+    import nemo_automodel.components.checkpoint.checkpointing as am_checkpointing
+    from nemo_automodel.components.checkpoint.checkpointing import _apply_key_mapping
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-REAL = conversion_mapping.get_combined_key_mapping
+    import orchestrator.automodel
+    from orchestrator.automodel import _patch_qwen_vl_vision_key_mapping
+    from orchestrator.automodel._qwen_patch import DISABLE_ENV, _with_visual_rule, apply_at_import
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _imported() -> None:
+    """Import nemo_automodel when these tests run, not as every worker collects them."""
+    global REAL, am_checkpointing, _apply_key_mapping, Qwen2_5_VLConfig
+    global Qwen2_5_VLForConditionalGeneration, orchestrator, _patch_qwen_vl_vision_key_mapping
+    global DISABLE_ENV, _with_visual_rule, apply_at_import
+    import nemo_automodel.components.checkpoint.checkpointing as am_checkpointing
+    from nemo_automodel.components.checkpoint import conversion_mapping
+    from nemo_automodel.components.checkpoint.checkpointing import _apply_key_mapping
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    import orchestrator.automodel
+    from orchestrator.automodel import _patch_qwen_vl_vision_key_mapping
+    from orchestrator.automodel._qwen_patch import DISABLE_ENV, _with_visual_rule, apply_at_import
+
+    REAL = conversion_mapping.get_combined_key_mapping
+
+
+REAL: Callable[..., Any]
+"""nemo_automodel's own ``get_combined_key_mapping``, before any patch."""
 VISION_KEY = "visual.blocks.0.attn.qkv.weight"
 
 
