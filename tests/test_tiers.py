@@ -46,7 +46,7 @@ def tier_config(
 
 
 def save(
-    client: LineClient, root: Path, step: int, files: dict[str, bytes], *, rank: int = 0,
+    client: LineClient, root: Path | str, step: int, files: dict[str, bytes], *, rank: int = 0,
     world: int = 1, local: int | None = None, run: str = "torchelastic:job:0",
     write: Callable[[str], Path] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
@@ -373,3 +373,52 @@ def test_single_node_restore_from_tmpfs(
         assert not (root / "step_2").exists()
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_drain_to_an_object_store_and_restore_from_it(
+    tmp_path: Path, short_dir: Path, start: Callable[..., DaemonProcess]
+) -> None:
+    """On an ``s3://`` root (SeaweedFS) the drain commits by the commit object.
+
+    Once the fast tier is wiped, a restart restores the durable step.
+    """
+    from tests._s3 import serve
+
+    for server in serve("seaweedfs"):
+        root, fast = server.root(), tmp_path / "fast"
+        fast.mkdir()
+        config = short_dir / "s3.toml"
+        config.write_text(
+            f'[[roots]]\npath = "{root}"\n[roots.fast]\npath = "{fast}"\ndrain_every_steps = 1\n'
+        )
+        daemon = start([], "--config", str(config), env=server.env())
+        data = os.urandom(7_000_000)
+        with LineClient(daemon.socket_path) as client:
+            save(client, root, 1, {"m/a.bin": data, "m/b.bin": b"x" * 10})
+            daemon.wait_event("tier.drained", match=at(1), timeout=60)
+            keys = server.keys(root)
+            assert any(k.endswith("/m/a.bin") and size == len(data) for k, size in keys.items())
+            assert any(k.endswith(".ckptd-commit.json") for k in keys), keys
+            for entry in fast.iterdir():
+                shutil.rmtree(
+                    entry
+                ) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+            reply = client.request(
+                "restore", root=root, rank=0, world_size=1, run="torchelastic:job:9"
+            )
+        assert (reply["step"], reply["tier"]) == (1, "durable"), reply
+        assert reply["path"].startswith(f"{root}/step_1/")
+        # A file larger than one part goes up as a multipart upload, and comes back whole.
+        from daemon.config._s3 import S3Options
+        from daemon.store._s3client import Bucket
+        from tests._s3 import ACCESS_KEY, SECRET_KEY
+
+        options = S3Options(
+            endpoint_url=server.endpoint, access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY
+        )
+        bucket = Bucket(root, options)
+        parts = [os.urandom(5 << 20), os.urandom(5 << 20), b"end"]
+        bucket.upload("big", iter(parts))
+        assert b"".join(bucket.download("big")) == b"".join(parts)
+        assert server.keys(root)["big"] == sum(map(len, parts))

@@ -93,11 +93,6 @@ def parse_fast(table: object, root: str, *, s3: bool) -> FastTier:
     """
     if not isinstance(table, dict) or "path" not in table:
         raise ConfigError(f"[roots.fast] of root {root} must be a table with a path")
-    if s3:
-        raise ConfigError(
-            f"root {root}: a fast tier needs a filesystem durable root; s3:// roots take "
-            "none yet (docs/tiers.md, Limits)"
-        )
     check_types(FastTier, table, f"[roots.fast] of root {root}")
     known = {f.name for f in fields(FastTier)}
     unknown = set(table) - known

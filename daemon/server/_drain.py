@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 from functools import partial
+from typing import Any
 
 import anyio
 import msgspec
@@ -236,15 +237,24 @@ class Drainer:
             record = DrainRecord(state="copying", run=run, attempt=attempt, tries=tries)
             await self._saves.run(_tier.write_drain, tier, step, record)
             files = [(f.path, f.size, f.sha256) for f in part.files()]
-            copy = partial(
-                _tiercopy.copy_part, tier.final_dir(step), path, files,
-                threads=fast.drain_threads, rate=fast.drain_rate_mb_s * 1e6,
-                ionice=fast.drain_ionice,
-            )  # fmt: skip
-            copied = await anyio.to_thread.run_sync(copy)
+            pace: dict[str, Any] = {
+                "threads": fast.drain_threads,
+                "rate": fast.drain_rate_mb_s * 1e6,
+                "ionice": fast.drain_ionice,
+            }
             sums_rel = f"{SUMS_DIR}/{daemon.config.node}.json"
             sums = msgspec.json.encode({f.path: f.sha256 for f in part.files()})
-            await anyio.to_thread.run_sync(_tiercopy.write_small, f"{path}/{sums_rel}", sums)
+            src = tier.final_dir(step)
+            if root.on_object_store:
+                from ..store import _tierobj
+
+                copy = partial(_tierobj.copy_part, root, src, path, files, **pace)
+                small = partial(_tierobj.write_small, root, f"{path}/{sums_rel}", sums)
+            else:
+                copy = partial(_tiercopy.copy_part, src, path, files, **pace)
+                small = partial(_tiercopy.write_small, f"{path}/{sums_rel}", sums)
+            copied = await anyio.to_thread.run_sync(copy)
+            await anyio.to_thread.run_sync(small)
             for i, rank in enumerate(ranks):
                 files_ = [FileEntry(f.path, f.size) for f in part.ranks[str(rank)]]
                 if i == 0:

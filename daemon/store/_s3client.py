@@ -11,6 +11,7 @@ bucket, the endpoint), never a bare botocore traceback.
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -173,6 +174,46 @@ class Bucket:
             kwargs["IfMatch"] = match
         reply = self._call("put_object", name, **kwargs)
         return str(reply["ETag"])
+
+    def upload(self, name: str, parts: Iterator[bytes]) -> None:
+        """Write object ``name`` from ``parts`` (each at least 5 MiB but the last).
+
+        One PUT for a single part; a multipart upload otherwise, aborted if it fails.
+        """
+        first = next(parts, b"")
+        second = next(parts, None)
+        if second is None:
+            self.put(name, first)
+            return
+        key = self.key(name)
+        upload = self._call("create_multipart_upload", name, Key=key)["UploadId"]
+        done = []
+        try:
+            for number, body in enumerate(itertools.chain((first, second), parts), 1):
+                reply = self._call(
+                    "upload_part", name, Key=key, UploadId=upload, PartNumber=number, Body=body
+                )
+                done.append({"PartNumber": number, "ETag": reply["ETag"]})
+            self._call(
+                "complete_multipart_upload", name, Key=key, UploadId=upload,
+                MultipartUpload={"Parts": done},
+            )  # fmt: skip
+        except BaseException:
+            self._call("abort_multipart_upload", name, Key=key, UploadId=upload)
+            raise
+
+    def download(self, name: str, chunk: int = 8 << 20) -> Iterator[bytes]:
+        """Object ``name``'s bytes, in pieces of at most ``chunk``.
+
+        Raises:
+            FileNotFoundError: there is no such object.
+        """
+        body = self._call("get_object", name, Key=self.key(name))["Body"]
+        try:
+            while data := body.read(chunk):
+                yield data
+        finally:
+            body.close()
 
     def delete(self, name: str) -> None:
         """Delete object ``name`` (nothing if it is not there)."""

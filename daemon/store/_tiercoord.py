@@ -50,6 +50,10 @@ def _makedirs(directory: str) -> None:
 
 def write_fact(root: RootConfig, rel: str, data: bytes) -> None:
     """Write (or replace) the fact ``rel`` durably."""
+    if root.on_object_store:
+        from . import _tierobj
+
+        return _tierobj.write_fact(root, rel, data)
     path = _path(root, rel)
     _makedirs(os.path.dirname(path))
     write_atomic(path, data)
@@ -61,6 +65,10 @@ def create_once(root: RootConfig, rel: str, data: bytes) -> bool:
     The contents are written and flushed under a temp name, then linked to ``rel``
     (``link`` fails if the name exists, on every node's view of the filesystem).
     """
+    if root.on_object_store:
+        from . import _tierobj
+
+        return _tierobj.create_once(root, rel, data)
     path = _path(root, rel)
     directory = os.path.dirname(path)
     _makedirs(directory)
@@ -83,6 +91,10 @@ def create_once(root: RootConfig, rel: str, data: bytes) -> bool:
 
 def read_fact(root: RootConfig, rel: str) -> bytes | None:
     """The fact ``rel``'s contents; None if it does not exist."""
+    if root.on_object_store:
+        from . import _tierobj
+
+        return _tierobj.read_fact(root, rel)
     try:
         with open(_path(root, rel), "rb") as f:
             return f.read()
@@ -92,6 +104,10 @@ def read_fact(root: RootConfig, rel: str) -> bytes | None:
 
 def list_names(root: RootConfig, rel: str) -> list[str]:
     """The facts in directory ``rel`` (temp files left out), sorted; [] if none."""
+    if root.on_object_store:
+        from . import _tierobj
+
+        return _tierobj.list_names(root, rel)
     try:
         names = os.listdir(_path(root, rel))
     except (FileNotFoundError, NotADirectoryError):
@@ -101,6 +117,10 @@ def list_names(root: RootConfig, rel: str) -> list[str]:
 
 def remove_fact(root: RootConfig, rel: str) -> None:
     """Remove the fact (or the directory of facts) ``rel``, if there."""
+    if root.on_object_store:
+        from . import _tierobj
+
+        return _tierobj.remove_fact(root, rel)
     import shutil
 
     path = _path(root, rel)
