@@ -180,6 +180,27 @@ def test_two_nodes_save_locally_drain_and_restore(
         event = daemon.wait_event("tier.restore", match=lambda e: e["run"].endswith(":2"))
         assert event["source"] == "durable"
 
+    # A rank failing on node 1 fails the step on node 0 at once, not at its node_timeout.
+    run = "torchelastic:job:3"
+    with nodes[1].connect() as client:
+        begun = client.request(
+            "begin", root=str(nodes.root), step=4, rank=1, world_size=2, local_world_size=1,
+            run=run,
+        )  # fmt: skip
+        assert begun["ok"], begun
+        failed = client.request(
+            "fail", root=str(nodes.root), step=4, rank=1, reason="CUDA error: out of memory"
+        )
+        assert failed["ok"], failed
+    with nodes[0].connect() as client:
+        save(
+            client, nodes.root, 4, {"model/r0.bin": b"0" * 1000}, rank=0, world=2, local=1,
+            run=run, write=lambda path: private[0] / Path(path).name,
+        )  # fmt: skip
+    event = n0.wait_event("tier.failed", match=at(4), timeout=10)
+    assert event["reason"] == "node n1 failed: rank 1 failed: CUDA error: out of memory"
+    wait_until(lambda: not (private[1] / "tmp_step_4").exists(), 10, "n1's failed save removed")
+
 
 # -- one node ------------------------------------------------------------------------------
 
@@ -295,13 +316,29 @@ def test_full_fast_tier_fails_the_save_clearly(
         config = tier_config(short_dir, root, fast)
         daemon = start([], "--config", str(config))
         with LineClient(daemon.socket_path) as client:
-            save(client, root, 1, {"m/a.bin": os.urandom(600_000)})
-            daemon.wait_event("tier.promoted", match=lambda e: e["step"] == 1)
-            refused = client.request("begin", root=str(root), step=2, rank=0, world_size=1)
-        assert not refused["ok"]
-        assert f"fast tier {fast} is full" in refused["error"]["message"]
-        assert daemon.wait_event("tier.full")["step"] == 2
-        assert (fast / "step_1" / "m" / "a.bin").stat().st_size == 600_000
+
+            def refused(step: int) -> str:
+                reply = client.request("begin", root=str(root), step=step, rank=0, world_size=1)
+                assert not reply["ok"], reply
+                assert daemon.wait_event("tier.full")["step"] == step
+                return str(reply["error"]["message"])
+
+            save(client, root, 1, {"m/a.bin": os.urandom(400_000)})
+            daemon.wait_event("tier.promoted", match=at(1))
+            # A reload asks for more free space than there is: refused, saying so.
+            config.write_text(config.read_text() + "min_free_mb = 0.9\n")
+            assert daemon.proc is not None
+            daemon.proc.send_signal(signal.SIGHUP)
+            assert daemon.wait_event("config.reloaded")["changed"] == {str(root): ["fast"]}
+            assert f"fast tier {fast} is full" in refused(2)
+            config.write_text(config.read_text().replace("min_free_mb = 0.9", "min_free_mb = 0"))
+            daemon.proc.send_signal(signal.SIGHUP)
+            daemon.wait_event("config.reloaded")
+            save(client, root, 2, {"m/a.bin": os.urandom(400_000)})
+            daemon.wait_event("tier.promoted", match=at(2))
+            # Less free space than the last step took: the next save is refused.
+            assert "this save needs about 400" in refused(3)
+        assert (fast / "step_1" / "m" / "a.bin").stat().st_size == 400_000
         daemon.stop()
     finally:
         subprocess.run(["umount", "-l", str(fast)], check=False)

@@ -217,6 +217,37 @@ class TierSaves:
         self._daemon.events.emit(
             "tier.failed", "error", root=save.root, step=save.step, reason=reason
         )
+        if self.group is not None:
+            self.group.start_soon(self._failed_io, save, reason)
+
+    async def _failed_io(self, save: _Save, reason: str) -> None:
+        """Free the failed save's space, and tell the other nodes of a spanning one.
+
+        The fast tier keeps no failed save: its space is the scarce thing (the ranks'
+        ``fail`` and the event say why). The other nodes of the run stop waiting for
+        this node's part at once, instead of at their ``node_timeout``.
+        """
+        daemon = self._daemon
+        try:
+            root = daemon.configured(save.root)
+        except RequestError:
+            return
+        if root.fast is None:
+            return
+        tier = _tier.tier_root(root)
+        current = self._saves.get((save.root, save.step))
+        if current is save:  # not begun again meanwhile
+            try:
+                await self.run(partial(_tier.remove_step, tier, save.step, promoted=False))
+            except OSError:
+                pass
+        if save.local_world_size < save.world_size:
+            rel = f"parts/{root.final_prefix}{save.step}/{daemon.config.node}.failed"
+            fact = msgspec.json.encode({"run": save.run, "reason": reason})
+            try:
+                await daemon.lanes.run(root.path, _tiercoord.write_fact, root, rel, fact)
+            except OSError:
+                pass  # the others fail at their node_timeout
 
     async def settled(self, request: p.Wait, root: RootConfig) -> p.WaitReply | None:
         """``wait`` on a fast-tier save (its local promotion); None: not one of ours."""
@@ -282,11 +313,9 @@ class TierSaves:
                     self._failed(save, f"cannot publish the part: {exc.strerror or exc}")
                 return False
             covered = await self._await_parts(root, part)
-            if covered is None:
+            if isinstance(covered, str):
                 if save is not None:
-                    self._failed(
-                        save, f"not every node's part arrived within {root.fast.node_timeout}s"
-                    )
+                    self._failed(save, covered)
                 return False
             nodes = covered
         try:
@@ -304,8 +333,8 @@ class TierSaves:
             self.promoted(root, part.step, part, "0" in part.ranks)
         return True
 
-    async def _await_parts(self, root: RootConfig, part: Part) -> int | None:
-        """Wait until the run's parts cover every rank; how many nodes, or None."""
+    async def _await_parts(self, root: RootConfig, part: Part) -> int | str:
+        """Wait until the run's parts cover every rank; how many nodes, or why not."""
         assert root.fast is not None
         deadline = self._daemon.clock() + root.fast.node_timeout
         while True:
@@ -314,8 +343,12 @@ class TierSaves:
             ranks = {r for q in mine for r in q.ranks}
             if len(ranks) >= part.world_size:
                 return len(mine)
+            failed = await self._daemon.lanes.run(root.path, read_failures, root, part.step)
+            for node, run, reason in failed:
+                if run == part.run:
+                    return f"node {node} failed: {reason}"
             if self._daemon.clock() >= deadline or self._daemon.stopping:
-                return None
+                return f"not every node's part arrived within {root.fast.node_timeout}s"
             await anyio.sleep(root.poll_interval)
 
     async def recover(self) -> None:
@@ -344,3 +377,19 @@ def read_parts(root: RootConfig, step: int) -> list[Part]:
         except (msgspec.DecodeError, msgspec.ValidationError):
             continue
     return parts
+
+
+def read_failures(root: RootConfig, step: int) -> list[tuple[str, str, str]]:
+    """(node, run, reason) of every node that failed its part of ``step`` (blocking)."""
+    rel = f"parts/{root.final_prefix}{step}"
+    found = []
+    for name in _tiercoord.list_names(root, rel):
+        if not name.endswith(".failed"):
+            continue
+        data = _tiercoord.read_fact(root, f"{rel}/{name}")
+        try:
+            fact = msgspec.json.decode(data or b"", type=dict[str, str])
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            continue
+        found.append((name.removesuffix(".failed"), fact.get("run", ""), fact.get("reason", "")))
+    return found
