@@ -270,6 +270,40 @@ def test_a_lagging_drain_skips_older_steps_and_keeps_undrained_ones(
     assert f"ckptd_tier_drain_lag_steps{{{series}}} 0.0" in text
 
 
+def test_a_later_run_replaces_a_step_and_restores_only_whole_steps(
+    tmp_path: Path, short_dir: Path, start: Callable[..., DaemonProcess]
+) -> None:
+    """A run that saves a step an earlier run saved replaces it in the fast tier.
+
+    A failed save's files never reach the next attempt. A restore offers a local step
+    only while every file its ranks wrote is there.
+    """
+    root, fast = tmp_path / "run", tmp_path / "fast"
+    root.mkdir()
+    fast.mkdir()
+    daemon = start([], "--config", str(tier_config(short_dir, root, fast)))
+    with LineClient(daemon.socket_path) as client:
+        # A failed save leaves nothing behind for the next attempt to mix with.
+        begun = client.request("begin", root=str(root), step=1, rank=0, world_size=1, run="a:0")
+        (Path(begun["path"]) / "junk.bin").write_bytes(b"junk")
+        assert client.request("fail", root=str(root), step=1, rank=0, reason="boom")["ok"]
+        assert daemon.wait_event("tier.failed", match=at(1))["reason"] == "rank 0 failed: boom"
+        again = client.request("begin", root=str(root), step=1, rank=0, world_size=1, run="a:0")
+        assert again["ok"] and not (Path(again["path"]) / "junk.bin").exists()
+        for run, data in (("torchelastic:j:0", b"old" * 100), ("torchelastic:j:1", b"new" * 10)):
+            save(client, root, 1, {"m/a.bin": data}, run=run)
+            daemon.wait_event("tier.promoted", match=at(1))
+            assert (fast / "step_1" / "m" / "a.bin").read_bytes() == data
+        reply = client.request("restore", root=str(root), rank=0, world_size=1, run="r:1")
+        assert (reply["step"], reply["tier"]) == (1, "fast"), reply
+        (fast / "step_1" / "m" / "a.bin").unlink()
+        save(client, root, 2, {"m/a.bin": b"2"}, run="torchelastic:j:1")
+        daemon.wait_event("tier.promoted", match=at(2))
+        (fast / "step_2" / "m" / "a.bin").write_bytes(b"22")  # not the size it was
+        reply = client.request("restore", root=str(root), rank=0, world_size=1, run="r:2")
+    assert (reply["step"], reply["tier"]) == (None, "durable"), reply
+
+
 @pytest.mark.slow
 def test_sigkill_mid_drain_resumes(
     tmp_path: Path, short_dir: Path, start: Callable[..., DaemonProcess]

@@ -137,7 +137,7 @@ class Restorer:
             ranks = sorted(gather.ranks)
             tier = _tier.tier_root(root)
             spans = len(ranks) < request.world_size
-            usable = await self._usable(root, tier, ranks, spans)
+            usable = await self._usable(root, tier, ranks, spans, request.world_size)
             durable, _ = await self._durable(root)
             run = run_key(request.run) or "unnamed"
             if not spans:
@@ -157,12 +157,14 @@ class Restorer:
             gather.decided.set()
 
     async def _usable(
-        self, root: RootConfig, tier: RootConfig, ranks: list[int], spans: bool
+        self, root: RootConfig, tier: RootConfig, ranks: list[int], spans: bool, world: int
     ) -> list[int]:
         usable = []
         for step in await self._saves.run(_tier.local_steps, tier):
             part: Part | None = await self._saves.run(_tier.read_part, tier.final_dir(step))
-            if part is None or not all(str(r) in part.ranks for r in ranks):
+            if part is None or part.world_size != world:
+                continue
+            if not await self._saves.run(_tier.holds, tier, step, ranks):
                 continue
             if spans:
                 parts = await self._daemon.lanes.run(root.path, read_parts, root, step)

@@ -148,8 +148,10 @@ class TierSaves:
             )
         tier = _tier.tier_root(root)
         need = await self._need(root, tier)
+        fresh = save is not None and save.run == run and save.state == "failed"
         try:
-            path = await self.run(_tier.prepare, tier, request.step, run, need)
+            prepare = partial(_tier.prepare, tier, request.step, run, need, fresh=fresh)
+            path = await self.run(prepare)
         except TierFullError as exc:
             self._daemon.events.emit(
                 "tier.full", "error", root=root.path, step=request.step, fast=tier.path,

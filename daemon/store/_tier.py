@@ -33,6 +33,7 @@ from ._durable import fsync_dir, write_atomic
 
 __all__ = [
     "PART",
+    "holds",
     "DrainRecord",
     "read_drain",
     "write_drain",
@@ -125,11 +126,12 @@ def free_bytes(path: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def prepare(tier: RootConfig, step: int, run: str, need: int) -> str:
+def prepare(tier: RootConfig, step: int, run: str, need: int, *, fresh: bool = False) -> str:
     """Make ``tmp_step_N`` of the fast tier run ``run``'s, with room for ``need`` bytes.
 
-    A directory another run left there is removed first (the fast tier keeps no failed
-    attempts: its space is the scarce thing; the durable root keeps those).
+    A directory another run left there (or, ``fresh``, a failed save of this run) is
+    removed first: attempts never mix, and the fast tier keeps no failed attempts (its
+    space is the scarce thing).
 
     Raises:
         TierFullError: fewer than ``need`` bytes are free.
@@ -145,7 +147,7 @@ def prepare(tier: RootConfig, step: int, run: str, need: int) -> str:
     owner = os.path.join(tmp, ".ckptd-tier", "run")
     try:
         with open(owner, encoding="utf-8") as f:
-            if f.read() == run:
+            if f.read() == run and not fresh:
                 return tmp
     except (FileNotFoundError, NotADirectoryError):
         pass
@@ -243,12 +245,16 @@ def read_part(directory: str) -> Part | None:
 def promote_local(tier: RootConfig, step: int) -> str:
     """Rename the sealed ``tmp_step_N`` to ``step_N`` durably, and move ``latest``.
 
-    Idempotent: a step already promoted is left as it is.
+    Idempotent: a step already promoted (no ``tmp_step_N`` left) is left as it is. A
+    ``step_N`` of an earlier run (a job that resumed from an older step and saved this
+    one again) is replaced.
     """
     tmp, final = tier.tmp_dir(step), tier.final_dir(step)
-    if not os.path.isdir(final):
+    if os.path.isdir(tmp) or not os.path.isdir(final):
         if read_part(tmp) is None:
             raise VerificationError(f"{tmp} has no sealed part to promote")
+        if os.path.lexists(final):
+            remove_step(tier, step)
         os.rename(tmp, final)
         fsync_dir(tier.path)
     newest = max(local_steps(tier), default=step)
@@ -340,3 +346,21 @@ def write_drain(tier: RootConfig, step: int, record: DrainRecord) -> None:
     directory = tier.final_dir(step)
     if os.path.isdir(directory):
         write_atomic(os.path.join(directory, _DRAIN), msgspec.json.encode(record))
+
+
+def holds(tier: RootConfig, step: int, ranks: Iterable[int]) -> bool:
+    """Whether local ``step_N`` holds every file ``ranks`` wrote, each at its size."""
+    part = read_part(tier.final_dir(step))
+    if part is None:
+        return False
+    for rank in ranks:
+        files = part.ranks.get(str(rank))
+        if files is None:
+            return False
+        for f in files:
+            try:
+                if os.stat(os.path.join(tier.final_dir(step), f.path)).st_size != f.size:
+                    return False
+            except OSError:
+                return False
+    return True
