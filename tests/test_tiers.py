@@ -304,6 +304,28 @@ def test_a_later_run_replaces_a_step_and_restores_only_whole_steps(
     assert (reply["step"], reply["tier"]) == (None, "durable"), reply
 
 
+def test_a_damaged_fast_tier_file_is_never_drained(
+    tmp_path: Path, short_dir: Path, start: Callable[..., DaemonProcess]
+) -> None:
+    """A byte changed in the fast tier after the seal fails the drain; nothing is committed."""
+    root, fast = tmp_path / "run", tmp_path / "fast"
+    root.mkdir()
+    fast.mkdir()
+    daemon = start([], "--config", str(tier_config(short_dir, root, fast)))
+    with LineClient(daemon.socket_path) as client:
+        save(client, root, 1, {"m/a.bin": b"a" * 100_000})
+        daemon.wait_event("tier.promoted", match=at(1))
+    with open(fast / "step_1" / "m" / "a.bin", "r+b") as f:
+        f.seek(5000)
+        f.write(b"b")
+    assert daemon.stop(signal.SIGTERM) == 0  # drains the newest local step: it cannot
+    failed = daemon.wait_event("tier.drain_failed", match=at(1))
+    assert "no longer matches its checksum" in failed["reason"]
+    unfinished = daemon.wait_event("tier.stop_drain_unfinished", match=at(1))
+    assert unfinished["reason"].startswith("the drain failed")
+    assert not (root / "step_1").exists()
+
+
 @pytest.mark.slow
 def test_sigkill_mid_drain_resumes(
     tmp_path: Path, short_dir: Path, start: Callable[..., DaemonProcess]
@@ -408,6 +430,7 @@ def test_sigterm_drains_the_newest_step_within_grace(
     assert (roots[0][0] / "step_2").is_dir() and not (roots[0][0] / "step_1").exists()
     unfinished = daemon.wait_event("tier.stop_drain_unfinished", match=lambda e: e["root"] == slow)
     assert unfinished["step"] == 2 and unfinished["local"] == str(roots[1][1] / "step_2")
+    assert unfinished["reason"].startswith("not durable within the grace")
     assert not (roots[1][0] / "step_2").exists()
 
 

@@ -371,13 +371,14 @@ class Drainer:
             if record is not None and record.state == "done":
                 continue
             ok = False
-            with anyio.move_on_after(fast.stop_grace):
+            with anyio.move_on_after(fast.stop_grace) as scope:
                 ok = await self.drain(root, newest)
+            why = "not durable within the grace" if scope.cancelled_caught else "the drain failed"
             if ok:
                 self._daemon.events.emit("tier.stop_drained", root=root.path, step=newest)
             else:
                 self._daemon.events.emit(
                     "tier.stop_drain_unfinished", "error", root=root.path, step=newest,
                     grace_s=fast.stop_grace, local=tier.final_dir(newest),
-                    reason="not durable within the grace; the step stays in the fast tier",
+                    reason=f"{why}; the step stays in the fast tier",
                 )  # fmt: skip
