@@ -121,45 +121,56 @@ class Drainer:
     async def watch(self) -> None:
         """Follow the leaders' drain orders (and resume this node's after a restart).
 
-        One look at each tiered root's ``drains/`` every ``max(poll_interval, 0.5)``
-        seconds; the roots are read from the configuration on each round (reloadable).
+        Each tiered root has a watcher of its own (a hung durable root holds up only its
+        own drains), looking at its ``drains/`` every ``max(poll_interval, 0.5)`` seconds;
+        the configuration is read again every second (a reload adds or removes one).
         """
         daemon = self._daemon
+        watching: set[str] = set()
         while not daemon.stopping:
-            interval = 0.5
             for root in daemon.config.roots:
-                if root.fast is not None:
-                    interval = max(interval, root.poll_interval)
-                    await self._look(root)
-            await anyio.sleep(interval)
+                if root.fast is not None and root.path not in watching:
+                    watching.add(root.path)
+                    assert self.group is not None
+                    self.group.start_soon(self._watch_root, root.path, watching)
+            await anyio.sleep(1.0)
+
+    async def _watch_root(self, path: str, watching: set[str]) -> None:
+        daemon = self._daemon
+        try:
+            while not daemon.stopping:
+                root = daemon.config.root_for(path)
+                if root is None or root.fast is None:
+                    return
+                await self._look(root)
+                await anyio.sleep(max(root.poll_interval, 0.5))
+        finally:
+            watching.discard(path)
 
     async def _look(self, root: RootConfig) -> None:
-        daemon = self._daemon
+        """One look at ``root``'s drain orders: drain each ordered step held here."""
         assert self.group is not None
         tier = _tier.tier_root(root)
-        rel = "drains"
-        if True:
-            try:
-                names = await daemon.lanes.run(
-                    root.path, _tiercoord.list_names, root, rel, abandon=True
-                )
-                held = set(await self._saves.run(_tier.local_steps, tier))
-            except OSError:
-                names, held = [], set()
-            for name in names:
-                step = root.parse_step(name.removesuffix(".json"), root.final_prefix)
-                if step is None:
-                    continue
-                self._orders.setdefault(root.path, set()).add(step)
-                key = (root.path, step)
-                if step in held and key not in self._running and key not in self._done:
-                    record = await self._saves.run(_tier.read_drain, tier, step)
-                    if record is not None and record.state == "done":
-                        self._done.add(key)
-                        continue
-                    if record is not None and record.state == "failed":
-                        continue  # reported; the next step selected drains afresh
-                    self.group.start_soon(self.drain, root, step)
+        try:
+            names = await self._daemon.lanes.run(
+                root.path, _tiercoord.list_names, root, "drains", abandon=True
+            )
+            held = set(await self._saves.run(_tier.local_steps, tier))
+        except OSError:
+            return
+        for name in names:
+            step = root.parse_step(name.removesuffix(".json"), root.final_prefix)
+            if step is None:
+                continue
+            self._orders.setdefault(root.path, set()).add(step)
+            key = (root.path, step)
+            if step not in held or key in self._running or key in self._done:
+                continue
+            record = await self._saves.run(_tier.read_drain, tier, step)
+            if record is not None and record.state == "done":
+                self._done.add(key)
+            elif record is None or record.state != "failed":  # a failure was reported
+                self.group.start_soon(self.drain, root, step)
 
     # -- one drain -----------------------------------------------------------------------
 
