@@ -389,6 +389,93 @@ class TestWithDaemon:
         assert last_checkpoint(str(served.out)) == str(served.out / "checkpoint-1")
         assert os.listdir(served.staging) == []  # set aside in the root's trash
 
+    @pytest.mark.parametrize("torn", [False, True])
+    def test_a_dcp_directory_is_verified_as_dcp(
+        self, hf: ModuleType, worker: ModuleType, serve: Callable[..., Served], torn: bool
+    ) -> None:
+        """Accelerate's FSDP sharded state dict is verified as DCP.
+
+        accelerate writes it with ``dcp.save`` into ``pytorch_model_fsdp_0/``; a shard
+        shorter than its ``.metadata`` says is never promoted.
+        """
+        import transformers
+        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+        served = serve(limit=None)
+
+        class Sharded(transformers.Trainer):
+            def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+                super()._save_optimizer_and_scheduler(output_dir)
+                where = os.path.join(output_dir, "pytorch_model_fsdp_0")
+                model: Any = self.model
+                dcp_save({"model": model.state_dict()}, checkpoint_id=where, no_dist=True)
+                if torn:  # the shard loses its tail after DCP wrote its metadata
+                    (shard,) = Path(where).glob("*.distcp")
+                    os.truncate(shard, shard.stat().st_size // 2)
+
+        made = trainer(
+            hf, worker, served.out, 1, client=served.client, base=Sharded, save_total_limit=None
+        )
+        made.train()
+        if torn:
+            failed = served.daemon.wait_event("checkpoint.failed", match=at(1))
+            assert "pytorch_model_fsdp_0/__0_0.distcp" in failed["reason"], failed
+            assert served.checkpoints() == []
+            return
+        served.promoted(1)
+        manifest = json.loads((served.out / "checkpoint-1" / ".ckptd-manifest.json").read_text())
+        assert {"pytorch_model_fsdp_0/.metadata", "pytorch_model_fsdp_0/__0_0.distcp"} <= set(
+            manifest["files"]
+        )
+
+    def test_jit_checkpoint_on_sigterm(
+        self, hf: ModuleType, worker: ModuleType, serve: Callable[..., Served]
+    ) -> None:
+        """``enable_jit_checkpoint``: SIGTERM saves the current step, staged, then promoted.
+
+        No partial ``checkpoint-N`` (transformers' sentinel directory) appears in output_dir.
+        """
+        import threading
+
+        import transformers
+
+        served = serve(limit=None)
+        seen: dict[str, Any] = {}
+
+        class Watched(transformers.Trainer):
+            def _save_rng_state(self, output_dir: str) -> None:
+                step = self.state.global_step
+                seen.update(step=step, in_output_dir=(served.out / f"checkpoint-{step}").exists())
+                super()._save_rng_state(output_dir)
+
+        class Terminate(transformers.TrainerCallback):
+            def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+                if state.global_step == 2:
+                    os.kill(os.getpid(), signal.SIGTERM)  # the grace period's timer starts
+                    for timer in threading.enumerate():
+                        if isinstance(timer, threading.Timer):
+                            timer.join(30)
+
+        made = trainer(
+            hf,
+            worker,
+            served.out,
+            8,
+            client=served.client,
+            base=Watched,
+            save_total_limit=None,
+            save_steps=100,
+            enable_jit_checkpoint=True,
+        )
+        made.add_callback(Terminate())
+        made.train()
+        assert made.state.global_step < 8  # the loop stopped after the JIT checkpoint
+        step = seen["step"]
+        assert step in (2, 3) and seen["in_output_dir"] is False
+        served.promoted(step)
+        assert served.checkpoints() == [f"checkpoint-{step}"]
+        assert not (served.out / f"checkpoint-{step}" / "checkpoint-is-incomplete.txt").exists()
+
     def test_resume_true_without_a_checkpoint(
         self, hf: ModuleType, worker: ModuleType, serve: Callable[..., Served]
     ) -> None:
@@ -396,6 +483,8 @@ class TestWithDaemon:
         made = trainer(hf, worker, served.out, 1, client=served.client, save_total_limit=None)
         with pytest.raises(ValueError, match="No valid checkpoint found"):
             made.train(resume_from_checkpoint=True)
+        with pytest.raises(ValueError, match="Can't find a valid checkpoint at"):
+            made.train(resume_from_checkpoint=str(served.out / "checkpoint-1-bogus"))
 
     @pytest.mark.parametrize(
         ("table", "message"),

@@ -32,6 +32,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 from .._tracking import describe
 from ._daemon import Daemon, connect, retention_of
 from ._files import files_of_rank
+from ._jit import take_over
 
 if TYPE_CHECKING:
     from .._client import CheckpointClient
@@ -75,6 +76,8 @@ class CkptdMixin:
         super().__init__(*args, **kwargs)
         trainer: Any = self
         self._ckptd = connect(trainer.args.output_dir, retention_of(trainer.args), ckptd_client)
+        if self._ckptd is not None:
+            take_over(trainer)  # enable_jit_checkpoint: no partial checkpoint-N in output_dir
 
     @property
     def uses_daemon(self) -> bool:
