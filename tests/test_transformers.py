@@ -366,6 +366,44 @@ class TestWithDaemon:
         assert last_checkpoint(str(served.out)) == str(served.out / "checkpoint-2")
         assert os.listdir(served.staging) == []
 
+    def test_the_best_model_with_the_daemon_gone(
+        self,
+        hf: ModuleType,
+        worker: ModuleType,
+        serve: Callable[..., Served],
+        caplog: pytest.LogCaptureFixture,
+    ) -> None:
+        """load_best_model_at_end does not hang on a daemon that stopped answering."""
+        served = serve(limit=None)
+        assert served.daemon.proc is not None
+        pid = served.daemon.proc.pid
+        import transformers
+
+        class Stalling(transformers.Trainer):
+            def _save_rng_state(self, output_dir: str) -> None:
+                if self.state.global_step == 2:  # the best checkpoint, never promoted
+                    os.kill(pid, signal.SIGSTOP)
+                super()._save_rng_state(output_dir)
+
+        made = trainer(
+            hf,
+            worker,
+            served.out,
+            2,
+            client=served.client,
+            base=Stalling,
+            best_at=2,
+            save_total_limit=None,
+            load_best_model_at_end=True,
+        )
+        try:
+            with caplog.at_level(logging.WARNING, logger="orchestrator.transformers"):
+                made.train()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert "cannot learn whether checkpoint 2" in caplog.text
+        served.promoted(2)
+
     def test_a_failed_save_is_never_promoted(
         self, hf: ModuleType, worker: ModuleType, serve: Callable[..., Served]
     ) -> None:

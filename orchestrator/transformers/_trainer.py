@@ -29,6 +29,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
+from .._errors import DaemonError
 from .._tracking import describe
 from ._daemon import Daemon, connect, retention_of
 from ._files import files_of_rank
@@ -46,6 +47,8 @@ _T = TypeVar("_T", bound=type)
 _BEST_WAIT = 600.0
 """Seconds the end of training waits for the best checkpoint's promotion before it
 loads the best model (it is usually the last one saved)."""
+_PING_WAIT = 2.0
+"""Seconds the end of training waits for the daemon's answer before it waits on it."""
 _REPORT_WAIT = 600.0
 """Seconds the end of training waits for this process's saves to be reported."""
 
@@ -158,8 +161,7 @@ class CkptdMixin:
         if daemon is not None and best is not None:
             step = _step_of(daemon.root, best)
             if step is not None and step in self._ckptd_saved:
-                daemon.client.wait_saves(_REPORT_WAIT)
-                daemon.client.wait(daemon.root, step, _BEST_WAIT)
+                _await_promotion(daemon, step)
         super()._load_best_model()  # type: ignore[misc]
 
     def _finalize_training(self, trial: Any, num_train_samples: Any, start_time: Any) -> Any:
@@ -218,6 +220,36 @@ class CkptdMixin:
             else:
                 state.stateful_callbacks[name] = cb.state()
         state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
+
+
+def _await_promotion(daemon: Daemon, step: int) -> None:
+    """Wait for this trainer's checkpoint ``step`` to be promoted or fail; say if it was not.
+
+    A daemon that does not answer a ping is not waited for: transformers then loads what
+    ``output_dir`` holds, as it does for a best checkpoint that is missing.
+    """
+    daemon.client.wait_saves(_REPORT_WAIT)
+    try:
+        if not daemon.client.ping(_PING_WAIT):
+            raise DaemonError("unreachable", f"no answer at {daemon.client.socket_path}")
+        reply = daemon.client.wait(daemon.root, step, _BEST_WAIT)
+    except DaemonError as exc:
+        logger.warning(
+            "ckptd: cannot learn whether checkpoint %s of %s is promoted (%s); the best "
+            "model is loaded from what output_dir holds",
+            step,
+            daemon.root,
+            exc,
+        )
+        return
+    if reply.state != "promoted":
+        logger.warning(
+            "ckptd: checkpoint %s of %s, the best, is %s (%s); it cannot be loaded",
+            step,
+            daemon.root,
+            reply.state,
+            reply.reason or "not promoted in time",
+        )
 
 
 def _step_of(root: str, checkpoint: str) -> int | None:
