@@ -110,6 +110,16 @@ class TestConfig:
         with pytest.raises(ConfigError, match="overlap"):
             load_config(config_file=str(config(tmp_path, body)), env={})
 
+    def test_check_config_names_it(
+        self, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        root, staging = dirs(tmp_path)
+        path = config(tmp_path, f'[[roots]]\npath = "{root}"\nstaging = "{staging}"\n')
+        assert main(["check-config", str(path)]) == 0
+        assert (
+            f"  {root}: {staging}/tmp_step_N -> step_N, pointer latest" in capsys.readouterr().out
+        )
+
     def test_object_store_root_has_none(self) -> None:
         with pytest.raises(ConfigError, match="no staging directory"):
             RootConfig(path="s3://bucket/run", staging="/tmp")

@@ -124,9 +124,9 @@ def summary(config: Config) -> list[str]:
                 "(an object)"
             )
         else:
+            staged = f"{root.staging}/{root.tmp_prefix}N" if root.staging else f"{root.tmp_prefix}N"
             lines.append(
-                f"  {root.path}{named}: {root.tmp_prefix}N -> {root.final_prefix}N, "
-                f"pointer {root.pointer}"
+                f"  {root.path}{named}: {staged} -> {root.final_prefix}N, pointer {root.pointer}"
             )
         if root.retention is not None:
             lines.append(
