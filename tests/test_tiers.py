@@ -234,6 +234,13 @@ def test_configuration_is_checked(tmp_path: Path) -> None:
     )
     tier = loaded.roots[0].fast
     assert tier is not None and (tier.path, tier.keep, tier.selects(10)) == (str(fast), 3, True)
+    from daemon.ops._commands import summary
+
+    said = [line.strip() for line in summary(loaded) if "fast tier" in line]
+    assert said == [
+        f"fast tier: {fast}/tmp_step_N -> {fast}/step_N, keep 3; drains every 5 steps, the "
+        "newest on stop (within 60s); uncapped, IO class idle"
+    ]
 
 
 def test_a_lagging_drain_skips_older_steps_and_keeps_undrained_ones(

@@ -18,7 +18,7 @@ import msgspec
 
 from orchestrator import protocol as p
 
-from ..config._config import Config, default_socket_path, load_config
+from ..config._config import Config, RootConfig, default_socket_path, load_config
 
 __all__ = ["HEALTH_TIMEOUT", "add_commands", "check_config", "health"]
 
@@ -128,6 +128,8 @@ def summary(config: Config) -> list[str]:
             lines.append(
                 f"  {root.path}{named}: {staged} -> {root.final_prefix}N, pointer {root.pointer}"
             )
+        if root.fast is not None:
+            lines.append(f"    fast tier: {_describe_fast(root)}")
         if root.retention is not None:
             lines.append(
                 f"    retention: {root.retention.policy.describe()}"
@@ -138,3 +140,22 @@ def summary(config: Config) -> list[str]:
                 )
             )
     return lines
+
+
+def _describe_fast(root: RootConfig) -> str:
+    """A root's fast tier and drain policy, in one line (``check-config``)."""
+    fast = root.fast
+    assert fast is not None
+    rules = []
+    if fast.drain_every_steps:
+        rules.append(f"every {fast.drain_every_steps} steps")
+    if fast.drain_every_minutes:
+        rules.append(f"every {fast.drain_every_minutes:g} min")
+    if fast.drain_on_stop:
+        rules.append(f"the newest on stop (within {fast.stop_grace:g}s)")
+    rate = f"{fast.drain_rate_mb_s:g} MB/s" if fast.drain_rate_mb_s else "uncapped"
+    return (
+        f"{fast.path}/{root.tmp_prefix}N -> {fast.path}/{root.final_prefix}N, keep "
+        f"{fast.keep}; drains {', '.join(rules) or 'never'}; {rate}, IO class "
+        f"{fast.drain_ionice}"
+    )
