@@ -237,10 +237,11 @@ def test_configuration_is_checked(tmp_path: Path) -> None:
     from daemon.ops._commands import summary
 
     said = [line.strip() for line in summary(loaded) if "fast tier" in line]
-    assert said == [
+    want = (
         f"fast tier: {fast}/tmp_step_N -> {fast}/step_N, keep 3; drains every 5 steps, the "
         "newest on stop (within 60s); uncapped, IO class idle"
-    ]
+    )
+    assert said == [want]
 
 
 def test_a_lagging_drain_skips_older_steps_and_keeps_undrained_ones(
