@@ -514,6 +514,37 @@ class TestWithDaemon:
         assert served.checkpoints() == [f"checkpoint-{step}"]
         assert not (served.out / f"checkpoint-{step}" / "checkpoint-is-incomplete.txt").exists()
 
+    def test_a_promoted_checkpoint_is_never_overwritten(
+        self,
+        hf: ModuleType,
+        worker: ModuleType,
+        serve: Callable[..., Served],
+        caplog: pytest.LogCaptureFixture,
+    ) -> None:
+        """A promoted number saved again (a run resumed from an earlier one) is refused.
+
+        The promoted checkpoint stands, and training goes on.
+        """
+        served = serve(limit=None)
+        first = trainer(hf, worker, served.out, 2, client=served.client, save_total_limit=None)
+        first.train()
+        served.promoted(1, 2)
+        before = weights(worker, served.out / "checkpoint-2")
+        again = trainer(
+            hf,
+            worker,
+            served.out,
+            2,
+            client=served.client,
+            save_total_limit=None,
+            learning_rate=1.0,
+        )
+        with caplog.at_level(logging.WARNING, logger="orchestrator.transformers"):
+            again.train(resume_from_checkpoint=str(served.out / "checkpoint-1"))
+        assert "refused checkpoint 2" in caplog.text and "already_promoted" in caplog.text
+        assert weights(worker, served.out / "checkpoint-2") == before
+        assert os.listdir(served.staging) == []
+
     def test_resume_true_without_a_checkpoint(
         self, hf: ModuleType, worker: ModuleType, serve: Callable[..., Served]
     ) -> None:
