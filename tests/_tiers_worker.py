@@ -4,7 +4,9 @@
 (the ``begin`` reply names the fast tier), each step waited for until promoted there.
 ``restore``: a fresh model restored by a new manager (a restarted job: another run);
 prints the step, the directory it was read from, and whether the weights equal step 2's.
-One JSON line per finding, for ``tests/test_tiers.py``.
+One JSON line per finding, for ``tests/test_tiers.py``. Run as 2 ranks on 2 simulated
+nodes (``LOCAL_WORLD_SIZE=1``), the manager saves with per-rank metadata, so that each
+node's fast tier holds what its rank reads.
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ def build(seed: int) -> torch.nn.Module:
 
 
 def main() -> None:
-    """Run the mode named on the command line."""
+    """Run the mode named on the command line (``save``/``restore`` ROOT [FIRST_STEP])."""
     mode, root = sys.argv[1], sys.argv[2]
+    first = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     dist.init_process_group("gloo")
     if mode == "save":
         manager = orchestrator.CheckpointManager(root)
-        for step in (1, 2):
+        for step in (first, first + 1):
             model = build(step)
             manager.save(step, {"model": model}, force=True)
             manager.wait_until_finished()
@@ -48,7 +51,7 @@ def main() -> None:
         manager = orchestrator.CheckpointManager(root)
         model = build(99)
         restored = manager.restore({"model": model})
-        want = build(2).state_dict()
+        want = build(first + 1).state_dict()
         same = all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
         say(restored=restored, same=same, latest=orchestrator.latest(root))
         manager.close()

@@ -202,6 +202,48 @@ def test_two_nodes_save_locally_drain_and_restore(
     wait_until(lambda: not (private[1] / "tmp_step_4").exists(), 10, "n1's failed save removed")
 
 
+@pytest.mark.slow
+def test_two_nodes_restore_real_dcp_from_their_own_tiers(
+    two_nodes: tuple[Cluster, Path, list[Path]],
+) -> None:
+    """Real DCP across two nodes: each node's fast tier holds what its rank reads.
+
+    ``CheckpointManager`` saves with per-rank metadata on a tiered root spanning nodes;
+    a restarted job loads the newest step on each node from that node's own tier.
+    """
+    nodes, fast, private = two_nodes
+    port = free_port()
+
+    def job(mode: str, restarts: int) -> list[dict[str, Any]]:
+        procs = []
+        for rank, node in enumerate(nodes):
+            env = {
+                "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port + restarts),
+                "CKPTD_SOCKET": str(node.socket), "OMP_NUM_THREADS": "1",
+                "TORCHELASTIC_RUN_ID": "dcp", "TORCHELASTIC_RESTART_COUNT": str(restarts),
+            }  # fmt: skip
+            cmd = [sys.executable, str(WORKER), mode, str(nodes.root), "11"]
+            procs.append(node.popen(cmd, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        lines = []
+        for proc in procs:
+            out, _ = proc.communicate(timeout=120)
+            assert proc.returncode == 0, out.decode()[-3000:]
+            lines += [json.loads(x) for x in out.decode().splitlines() if x.startswith("{")]
+        return lines
+
+    saved = job("save", 0)
+    assert {(x["saved"], x["state"]) for x in saved} == {(11, "promoted"), (12, "promoted")}
+    for rank, own in enumerate(private):
+        names = {p.name for p in (own / "step_12" / "model").iterdir()}
+        assert f"__{rank}.metadata" in names and ".metadata" not in names, names
+        assert not any(n.startswith(f"__{1 - rank}_") for n in names), names  # its own only
+    restored = job("restore", 1)
+    assert restored == [{"restored": 12, "same": True, "latest": str(fast / "step_12")}] * 2, (
+        restored
+    )
+
+
 # -- one node ------------------------------------------------------------------------------
 
 
