@@ -11,7 +11,8 @@ reads the orders), so a step is committed once, by every node.
 How: this node's daemon is, for the durable root, the writer of its ranks' parts. It
 sends itself each rank's ``begin`` (run ``ckptd-drain.<run>.t<try>``), copies the part's
 files into the directory the reply names (checked against the part's checksums, in
-threads of its own, throttled, at low IO priority: :mod:`daemon.store._tiercopy`), adds
+threads of its own, throttled, at low IO priority: :mod:`daemon.store._tiercopy`,
+:mod:`daemon.store._tierobj` on an object store), adds
 ``.ckptd-sums/NODE.json`` (the checksums, for ``ckptd verify --deep``), then each rank's
 ``done``. From there the durable commit is exactly a normal save's: verification, node
 markers, the leader's rename or commit object, the journal. The outcome arrives like a
@@ -256,15 +257,9 @@ class Drainer:
             sums_rel = f"{SUMS_DIR}/{daemon.config.node}.json"
             sums = msgspec.json.encode({f.path: f.sha256 for f in part.files()})
             src = tier.final_dir(step)
-            if root.on_object_store:
-                from ..store import _tierobj
-
-                copy = partial(_tierobj.copy_part, root, src, path, files, **pace)
-                small = partial(_tierobj.write_small, root, f"{path}/{sums_rel}", sums)
-            else:
-                copy = partial(_tiercopy.copy_part, src, path, files, **pace)
-                small = partial(_tiercopy.write_small, f"{path}/{sums_rel}", sums)
+            copy = partial(_tiercopy.drain_files, root, src, path, files, **pace)
             copied = await anyio.to_thread.run_sync(copy)
+            small = partial(_tiercopy.drain_small, root, f"{path}/{sums_rel}", sums)
             await anyio.to_thread.run_sync(small)
             for i, rank in enumerate(ranks):
                 files_ = [FileEntry(f.path, f.size) for f in part.ranks[str(rank)]]

@@ -9,60 +9,27 @@ each thread lowers its own IO priority (``ioprio_set``) first.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import os
 import threading
-import time
 from typing import Final
 
 from ..base._errors import VerificationError
+from ..config._root import RootConfig
+from ._tierpace import Throttle, lower_io_priority
 
-__all__ = ["Throttle", "copy_checked", "copy_part", "lower_io_priority", "write_small"]
+__all__ = [
+    "Throttle",
+    "copy_checked",
+    "copy_part",
+    "drain_files",
+    "drain_small",
+    "lower_io_priority",
+    "write_small",
+]
 
 _CHUNK: Final = 4 << 20
 _PACED_CHUNK: Final = 1 << 20  # under a bandwidth cap: smaller steps, a smoother pace
-_IOPRIO_WHO_PROCESS: Final = 1
-_IOPRIO_CLASS_SHIFT: Final = 13
-_CLASSES: Final = {"best-effort": (2, 7), "idle": (3, 0)}
-_SYS_IOPRIO_SET: Final = {"x86_64": 251, "aarch64": 30}
-
-
-class Throttle:
-    """A token bucket: at most ``rate`` bytes a second across the threads sharing it."""
-
-    def __init__(self, rate: float) -> None:
-        self.rate = rate
-        self._lock = threading.Lock()
-        self._next = time.monotonic()
-
-    def take(self, n: int) -> None:
-        """Wait until ``n`` more bytes may pass."""
-        if self.rate <= 0:
-            return
-        with self._lock:
-            now = time.monotonic()
-            start = max(self._next, now - 0.25)  # at most a quarter second of burst
-            self._next = start + n / self.rate
-            wait = self._next - now  # the bytes pass once their time has come
-        if wait > 0:
-            time.sleep(wait)
-
-
-def lower_io_priority(kind: str) -> bool:
-    """Set this thread's IO priority class (``idle``/``best-effort``); whether it took."""
-    if kind not in _CLASSES:
-        return False
-    number = _SYS_IOPRIO_SET.get(os.uname().machine)
-    if number is None:
-        return False
-    cls, level = _CLASSES[kind]
-    libc = ctypes.CDLL(None, use_errno=True)
-    tid = threading.get_native_id()
-    return (
-        int(libc.syscall(number, _IOPRIO_WHO_PROCESS, tid, (cls << _IOPRIO_CLASS_SHIFT) | level))
-        == 0
-    )
 
 
 def copy_checked(
@@ -233,3 +200,37 @@ def write_small(path: str, data: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def drain_files(
+    root: RootConfig,
+    src_dir: str,
+    dst: str,
+    files: list[tuple[str, int, str]],
+    *,
+    threads: int,
+    rate: float,
+    ionice: str,
+) -> int:
+    """Copy a part's files into ``dst``, the durable save of ``root``; the bytes copied.
+
+    :func:`copy_part` on a filesystem; uploads on an object store
+    (:func:`daemon.store._tierobj.copy_part`).
+    """
+    if root.on_object_store:
+        from . import _tierobj
+
+        return _tierobj.copy_part(
+            root, src_dir, dst, files, threads=threads, rate=rate, ionice=ionice
+        )
+    return copy_part(src_dir, dst, files, threads=threads, rate=rate, ionice=ionice)
+
+
+def drain_small(root: RootConfig, path: str, data: bytes) -> None:
+    """Write a small file of a drain (the checksums) at ``path`` in ``root``'s save."""
+    if root.on_object_store:
+        from . import _tierobj
+
+        _tierobj.write_small(root, path, data)
+    else:
+        write_small(path, data)

@@ -19,7 +19,7 @@ from typing import Final
 from ..base._errors import VerificationError
 from ..config._root import RootConfig
 from ._s3client import Bucket, Precondition
-from ._tiercopy import Throttle, lower_io_priority
+from ._tierpace import Throttle, lower_io_priority
 
 __all__ = ["copy_part", "create_once", "list_names", "read_fact", "remove_fact", "write_fact"]
 
