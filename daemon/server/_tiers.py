@@ -333,7 +333,18 @@ class TierSaves:
         )  # fmt: skip
         if self.promoted is not None:
             self.promoted(root, part.step, part, "0" in part.ranks)
+        self._trim(root.path)
         return True
+
+    def _trim(self, root: str, kept: int = 64) -> None:
+        """Forget all but the newest ``kept`` settled saves of ``root`` (memory stays bounded)."""
+        settled = sorted(
+            step
+            for (path, step), save in self._saves.items()
+            if path == root and save.state in ("promoted", "failed")
+        )
+        for step in settled[:-kept]:
+            del self._saves[(root, step)]
 
     async def _await_parts(self, root: RootConfig, part: Part) -> int | str:
         """Wait until the run's parts cover every rank; how many nodes, or why not."""
