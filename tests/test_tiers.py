@@ -28,7 +28,7 @@ import pytest
 
 from tests._nodes import Cluster, cluster, wait_until
 from tests._ranks import free_port, start_rank
-from tests._system import require_root
+from tests._system import require_root, require_tool
 from tests.conftest import REPO, DaemonProcess, LineClient
 
 WORKER = REPO / "tests" / "_tiers_worker.py"
@@ -382,8 +382,10 @@ def test_sigkill_mid_drain_resumes(
 ) -> None:
     """A daemon killed mid-drain finishes it after a restart.
 
-    The durable step is then exactly the fast tier's.
+    The drain's threads copy at the idle IO class; the durable step is then exactly the
+    fast tier's.
     """
+    require_tool("ionice", "util-linux")
     root, fast = tmp_path / "run", tmp_path / "fast"
     root.mkdir()
     fast.mkdir()
@@ -395,6 +397,14 @@ def test_sigkill_mid_drain_resumes(
     daemon.wait_event("tier.drain_started", match=lambda e: e["step"] == 1)
     partial = root / "tmp_step_1" / "m" / "big.bin.ckptd-drain.tmp"
     wait_until(lambda: partial.exists() and partial.stat().st_size > 0, 20, "copy under way")
+    assert daemon.proc is not None
+    tasks = Path(f"/proc/{daemon.proc.pid}/task")
+    copiers = [
+        t.name for t in tasks.iterdir() if (t / "comm").read_text().startswith("ckptd-drain")
+    ]
+    classes = {subprocess.run(["ionice", "-p", tid], capture_output=True, text=True).stdout
+               for tid in copiers}  # fmt: skip
+    assert copiers and classes == {"idle\n"}, (copiers, classes)  # drain_ionice's default
     daemon.kill()
     assert not (root / "step_1").exists()
     again = start([], "--config", str(config), socket_name="d2.sock")

@@ -10,6 +10,7 @@ from typing import Final
 
 __all__ = ["Throttle", "lower_io_priority"]
 
+_PR_SET_NAME: Final = 15
 _IOPRIO_WHO_PROCESS: Final = 1
 _IOPRIO_CLASS_SHIFT: Final = 13
 _CLASSES: Final = {"best-effort": (2, 7), "idle": (3, 0)}
@@ -38,14 +39,19 @@ class Throttle:
 
 
 def lower_io_priority(kind: str) -> bool:
-    """Set this thread's IO priority class (``idle``/``best-effort``); whether it took."""
+    """Name this thread ``ckptd-drain`` and set its IO class; whether the class took.
+
+    ``kind``: ``idle`` or ``best-effort`` (its lowest level); anything else leaves the
+    class. The name (``top -H``, ``/proc/PID/task/TID/comm``) shows the drain's threads.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_NAME, ctypes.c_char_p(b"ckptd-drain"), 0, 0, 0)
     if kind not in _CLASSES:
         return False
     number = _SYS_IOPRIO_SET.get(os.uname().machine)
     if number is None:
         return False
     cls, level = _CLASSES[kind]
-    libc = ctypes.CDLL(None, use_errno=True)
     tid = threading.get_native_id()
     return (
         int(libc.syscall(number, _IOPRIO_WHO_PROCESS, tid, (cls << _IOPRIO_CLASS_SHIFT) | level))
