@@ -251,6 +251,7 @@ def test_configuration_is_checked(tmp_path: Path) -> None:
     """A fast tier's settings are validated like every other setting."""
     from daemon.base._errors import ConfigError
     from daemon.config._config import load_config
+    from daemon.config._tiers import FastTier
 
     root, fast = tmp_path / "run", tmp_path / "fast"
     root.mkdir()
@@ -276,6 +277,12 @@ def test_configuration_is_checked(tmp_path: Path) -> None:
     )
     tier = loaded.roots[0].fast
     assert tier is not None and (tier.path, tier.keep, tier.selects(10)) == (str(fast), 3, True)
+    timed = FastTier(path=str(fast), drain_every_minutes=0.5)
+    assert [timed.due(7, since) for since in (None, 10.0, 29.9, 30.0)] == [True, False, False, True]
+    both = FastTier(path=str(fast), drain_every_steps=4, drain_every_minutes=1)
+    assert [both.due(8, 5.0), both.due(9, 5.0), both.due(9, 61.0)] == [True, False, True]
+    assert not FastTier(path=str(fast)).due(1, None)  # no rule: never (but on stop)
+
     from daemon.ops._commands import summary
 
     said = [line.strip() for line in summary(loaded) if "fast tier" in line]

@@ -83,6 +83,17 @@ class FastTier:
         """Whether the step-count rule selects ``step`` for draining."""
         return self.drain_every_steps > 0 and step % self.drain_every_steps == 0
 
+    def due(self, step: int, since_order: float | None) -> bool:
+        """Whether ``step``, just promoted locally, is selected for draining.
+
+        ``since_order``: seconds since the last drain of the root was ordered (None:
+        none yet). Either rule selects: the step count, or ``drain_every_minutes`` passed
+        (the first step promoted counts as due).
+        """
+        every = self.drain_every_minutes * 60
+        timely = every > 0 and (since_order is None or since_order >= every)
+        return self.selects(step) or timely
+
 
 def parse_fast(table: object, root: str, *, s3: bool) -> FastTier:
     """The fast tier a ``[roots.fast]`` table describes.

@@ -68,13 +68,9 @@ class Drainer:
         """A step was promoted locally: select it if due, and apply local retention."""
         assert self.group is not None and root.fast is not None
         if leads:
-            now = self._daemon.clock()
-            every_t = root.fast.drain_every_minutes * 60
             last = self._last_order.get(root.path)
-            due = root.fast.selects(step) or (
-                every_t > 0 and (last is None or now - last >= every_t)
-            )
-            if due:
+            since = None if last is None else self._daemon.clock() - last
+            if root.fast.due(step, since):
                 self.select(root, step)
         self.group.start_soon(self.retain, root)
 
