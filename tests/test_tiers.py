@@ -358,7 +358,15 @@ def test_a_later_run_replaces_a_step_and_restores_only_whole_steps(
         daemon.wait_event("tier.promoted", match=at(2))
         (fast / "step_2" / "m" / "a.bin").write_bytes(b"22")  # not the size it was
         reply = client.request("restore", root=str(root), rank=0, world_size=1, run="r:2")
-    assert (reply["step"], reply["tier"]) == (None, "durable"), reply
+        assert (reply["step"], reply["tier"]) == (None, "durable"), reply
+        # On one node, rank 0 alone asking is answered at once (not at node_timeout).
+        for rank in (0, 1):
+            save(client, root, 3, {f"m/{rank}.bin": b"3"}, rank=rank, world=2, run="j:2")
+        daemon.wait_event("tier.promoted", match=at(3))
+        reply = client.request(
+            "restore", root=str(root), rank=0, world_size=2, run="r:3", timeout=5
+        )
+    assert (reply["step"], reply["tier"]) == (3, "fast"), reply
 
 
 def test_a_damaged_fast_tier_file_is_never_drained(

@@ -96,7 +96,10 @@ class Restorer:
             # after its restore): the same answer.
             gather = self._runs[key] = _Gather(generation=self._saves.generation)
         gather.ranks.add(request.rank)
-        if len(gather.ranks) >= lws:
+        if len(gather.ranks) >= lws or lws >= request.world_size:
+            # One node holds every rank: the first ask decides (a rank 0 alone reading
+            # orchestrator.latest is answered at once). Across nodes, the node waits
+            # for its ranks: which it serves now decides what it can offer.
             gather.arrived.set()
         if not gather.started:
             gather.started = True
@@ -134,9 +137,10 @@ class Restorer:
         try:
             with anyio.move_on_after(root.fast.node_timeout):
                 await gather.arrived.wait()
-            ranks = sorted(gather.ranks)
+            lws = request.local_world_size or request.world_size
+            spans = lws < request.world_size
+            ranks = sorted(gather.ranks) if spans else list(range(request.world_size))
             tier = _tier.tier_root(root)
-            spans = len(ranks) < request.world_size
             usable = await self._usable(root, tier, ranks, spans, request.world_size)
             durable, _ = await self._durable(root)
             run = run_key(request.run) or "unnamed"
