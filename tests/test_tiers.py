@@ -369,6 +369,49 @@ def test_a_later_run_replaces_a_step_and_restores_only_whole_steps(
     assert (reply["step"], reply["tier"]) == (3, "fast"), reply
 
 
+def test_ranks_beginning_at_once_share_one_save(
+    tmp_path: Path, short_dir: Path, start: Callable[..., DaemonProcess]
+) -> None:
+    """Begins of one step that arrive together (every rank at once) join one save.
+
+    The first begin prepares the step's directory in a worker thread; the others arrive
+    meanwhile, wait for it, and are admitted to the same save: none is forgotten (its
+    ``done`` refused as never begun), and no directory is prepared twice under a rank
+    already writing.
+    """
+    root, fast = tmp_path / "run", tmp_path / "fast"
+    root.mkdir()
+    fast.mkdir()
+    daemon = start([], "--config", str(tier_config(short_dir, root, fast)))
+    world = 4
+    clients = [LineClient(daemon.socket_path) for _ in range(world)]
+    try:
+        for step in (1, 2, 3):
+            for rank, client in enumerate(clients):  # every begin sent before any reply
+                begin = {"op": "begin", "id": step, "root": str(root), "step": step}
+                begin.update(rank=rank, world_size=world, run="torchelastic:j:0")
+                client.send_raw(json.dumps(begin).encode() + b"\n")
+            replies = [client.recv() for client in clients]
+            assert all(r["ok"] for r in replies), replies
+            assert len({r["path"] for r in replies}) == 1, replies
+            for rank in range(world):
+                (Path(replies[rank]["path"]) / f"r{rank}.bin").write_bytes(b"x" * (rank + 1))
+            for rank, client in enumerate(clients):
+                files = [{"path": f"r{rank}.bin", "size": rank + 1}]
+                done = client.request(
+                    "done", root=str(root), step=step, rank=rank, files=files,
+                    attempt=replies[rank]["attempt"],
+                )  # fmt: skip
+                assert done["ok"], done
+            daemon.wait_event("tier.promoted", match=at(step))
+            assert sorted(p.name for p in (fast / f"step_{step}").glob("r*.bin")) == [
+                f"r{rank}.bin" for rank in range(world)
+            ]
+    finally:
+        for client in clients:
+            client.close()
+
+
 def test_a_damaged_fast_tier_file_is_never_drained(
     tmp_path: Path, short_dir: Path, start: Callable[..., DaemonProcess]
 ) -> None:

@@ -89,11 +89,14 @@ class _Save:
     attempt: str
     begun: set[int] = field(default_factory=set)
     done: dict[int, tuple[FileEntry, ...]] = field(default_factory=dict)
-    state: str = "open"  # open, sealing, waiting, promoted, failed
+    state: str = "open"  # preparing, open, sealing, waiting, promoted, failed
     reason: str = ""
     path: str = ""
     bytes: int = 0
     settled: anyio.Event = field(default_factory=anyio.Event)
+    prepared: anyio.Event = field(default_factory=anyio.Event)
+    """Set once the first begin made the directory ready (or could not: ``refusal``)."""
+    refusal: RequestError | None = None
 
 
 class TierSaves:
@@ -134,6 +137,13 @@ class TierSaves:
         run = run_key(request.run)
         key = (root.path, request.step)
         save = self._saves.get(key)
+        while save is not None and save.state == "preparing":
+            # The ranks' begins arrive together: the first prepares the directory in a
+            # worker thread, the others join its save once it is ready.
+            await save.prepared.wait()
+            if save.refusal is not None and save.run == run:
+                raise save.refusal
+            save = self._saves.get(key)
         lws = request.local_world_size or request.world_size
         if save is not None and save.run == run and save.state in ("open", "sealing", "waiting"):
             if request.rank in save.done:
@@ -149,19 +159,7 @@ class TierSaves:
         tier = _tier.tier_root(root)
         need = await self._need(root, tier)
         fresh = save is not None and save.run == run and save.state == "failed"
-        try:
-            prepare = partial(_tier.prepare, tier, request.step, run, need, fresh=fresh)
-            path = await self.run(prepare)
-        except TierFullError as exc:
-            self._daemon.events.emit(
-                "tier.full", "error", root=root.path, step=request.step, fast=tier.path,
-                error=exc.strerror,
-            )  # fmt: skip
-            raise RequestError(p.ErrorCode.INVALID_STATE, str(exc.strerror)) from None
-        except OSError as exc:
-            raise RequestError(
-                p.ErrorCode.INVALID_STATE, f"fast tier {tier.path}: {exc.strerror or exc}"
-            ) from None
+        previous = save
         save = _Save(
             root=root.path,
             step=request.step,
@@ -169,14 +167,47 @@ class TierSaves:
             world_size=request.world_size,
             local_world_size=lws,
             attempt=_attempt(run, request.step),
-            path=path,
+            state="preparing",
         )
         save.begun.add(request.rank)
-        self._saves[key] = save
+        self._saves[key] = save  # before the thread: the other ranks' begins join it
+        try:
+            prepare = partial(_tier.prepare, tier, request.step, run, need, fresh=fresh)
+            save.path = await self.run(prepare)
+            save.state = "open"
+        except BaseException as exc:
+            save.refusal = self._refusal(root, tier, request.step, exc)
+            if previous is None:
+                del self._saves[key]
+            else:
+                self._saves[key] = previous
+            if isinstance(exc, OSError):
+                raise save.refusal from None
+            raise
+        finally:
+            save.prepared.set()
         self._daemon.events.emit(
-            "tier.begun", root=root.path, step=request.step, path=path, run=run or None
+            "tier.begun", root=root.path, step=request.step, path=save.path, run=run or None
         )
-        return p.BeginReply(id=request.id, path=path, state=p.SaveState.OPEN, attempt=save.attempt)
+        return p.BeginReply(
+            id=request.id, path=save.path, state=p.SaveState.OPEN, attempt=save.attempt
+        )
+
+    def _refusal(
+        self, root: RootConfig, tier: RootConfig, step: int, exc: BaseException
+    ) -> RequestError:
+        """What the begins waiting for a step's directory are told when it was not made."""
+        if isinstance(exc, TierFullError):
+            self._daemon.events.emit(
+                "tier.full", "error", root=root.path, step=step, fast=tier.path,
+                error=exc.strerror,
+            )  # fmt: skip
+            return RequestError(p.ErrorCode.INVALID_STATE, str(exc.strerror))
+        if isinstance(exc, OSError):
+            return RequestError(
+                p.ErrorCode.INVALID_STATE, f"fast tier {tier.path}: {exc.strerror or exc}"
+            )
+        return RequestError(p.ErrorCode.SHUTTING_DOWN, f"step {step}'s begin was interrupted")
 
     async def _need(self, root: RootConfig, tier: RootConfig) -> int:
         """Bytes a new save needs free: the last local part's size, or ``min_free_mb``."""
