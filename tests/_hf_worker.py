@@ -1,11 +1,9 @@
 """A transformers ``Trainer`` job on ckptd, and the tiny model and data the tests use.
 
-``python tests/_hf_worker.py launch OUTPUT_DIR --steps 8 [--die-at 6] [--nproc 2]`` runs
-torchrun's launcher (``torch.distributed.launcher.api.elastic_launch``, torchelastic's
-agent, which ``torchrun`` runs) with ``--nproc`` ranks forked from it, each calling
-:func:`train`. ``python tests/_hf_worker.py rank OUTPUT_DIR ...`` runs one rank as a
-launcher started it (its environment set: ``RANK``, ``LOCAL_WORLD_SIZE``, ...), for
-ranks spread over simulated nodes.
+``python tests/_hf_worker.py rank OUTPUT_DIR --steps 8 [--die-at 6] [--resume]`` runs
+one rank as a launcher started it (its environment set: ``RANK``, ``LOCAL_WORLD_SIZE``,
+...): each of the ranks ``torchrun`` starts, or one rank of a job spread over simulated
+nodes.
 
 Each rank trains a 1-layer GPT-2 built from a config (no downloads) with
 ``orchestrator.transformers.with_ckptd`` applied to a ``Trainer`` subclass of the job's
@@ -29,13 +27,6 @@ from typing import Any
 
 BEST_STEP = 3
 """The step whose evaluation scores best."""
-
-
-def preload() -> None:
-    """Import what a rank uses (transformers takes about 7 s), before ranks are forked."""
-    import transformers.models.gpt2.modeling_gpt2  # noqa: F401
-
-    import orchestrator.transformers._trainer  # noqa: F401
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -164,48 +155,14 @@ def _options(argv: list[str]) -> tuple[str, int, int | None, bool]:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--die-at", type=int)
     parser.add_argument("--resume", action="store_true")
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--port", type=int, default=0)
-    ns, _ = parser.parse_known_args(argv)
+    ns = parser.parse_args(argv)
     return ns.output_dir, ns.steps, ns.die_at, ns.resume
 
 
-def launch(argv: list[str]) -> int:
-    """Torchrun's launcher with the ranks forked from it; its exit status."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("output_dir")
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--port", type=int, required=True)
-    ns, _ = parser.parse_known_args(argv)
-    preload()  # once here: the ranks are forked from this process
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=ns.nproc,
-        run_id=os.environ.get("TORCHELASTIC_RUN_ID", "hf-job"),
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{ns.port}",
-        max_restarts=0,
-        monitor_interval=0.1,
-        start_method="fork",
-    )
-    try:
-        elastic_launch(config, _rank)(argv)
-    except ChildFailedError as exc:
-        emit("failed", failures=sorted(exc.failures))
-        return 1
-    return 0
-
-
 def main() -> int:
-    """``launch`` or ``rank`` (see the module)."""
+    """``rank`` (see the module)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     command, *argv = sys.argv[1:]
-    if command == "launch":
-        return launch(argv)
     if command == "rank":
         _rank(argv)
         return 0

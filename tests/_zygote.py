@@ -46,12 +46,13 @@ PRELOADS: Mapping[str, tuple[str, ...]] = {
         "torch.distributed.checkpoint",
         "nemo_automodel.components.checkpoint.checkpointing",
     ),
-    # transformers' Trainer jobs (tests/_hf_worker.py): importing it takes about 7 s.
+    # transformers' Trainer jobs (tests/_hf_worker.py, under torchrun or alone): importing
+    # it takes about 7 s.
     "transformers": (
         "torch",
         "torch.distributed",
         "torch.distributed.checkpoint",
-        "torch.distributed.launcher.api",
+        "torch.distributed.run",
         "orchestrator.transformers._trainer",
         "transformers.models.gpt2.modeling_gpt2",
     ),

@@ -5,10 +5,10 @@ the job's own switched with ``orchestrator.transformers.with_ckptd``, a save and
 evaluation every step (best at step 3), ``save_total_limit = 2`` and
 ``load_best_model_at_end``.
 
-- Under torchrun's launcher (torchelastic's agent, ``elastic_launch``, 2 ranks forked
-  from it, gloo on CPU), rank 1 SIGKILLs itself in the middle of step 6's save. The
-  agent ends the job; the daemon fails step 6 once the rank's lease runs out, and
-  nothing of it is ever named ``checkpoint-6``. A new run with
+- Under ``torchrun`` (its command line, ``python -m torch.distributed.run --standalone
+  --nproc-per-node 2``: 2 ranks, gloo on CPU), rank 1 SIGKILLs itself in the middle of
+  step 6's save. torchrun ends the job; the daemon fails step 6 once the rank's lease
+  runs out, and nothing of it is ever named ``checkpoint-6``. A new run with
   ``resume_from_checkpoint=True`` resumes from ``checkpoint-5`` with its weights, trains
   to step 8 and loads the best checkpoint (3) at the end. Retention keeps what
   ``save_total_limit`` says, and the best, at every point.
@@ -16,12 +16,18 @@ evaluation every step (best at step 3), ``save_total_limit = 2`` and
   bindfs mount, a daemon each), one rank per node: the case that broke transformers'
   own staging (``tmp-checkpoint-N -> checkpoint-N`` raced across nodes). Each
   checkpoint is renamed once, by the leader's daemon, and both nodes agree.
+
+torchrun and the ranks are forked from the test zygote that imported transformers once
+(``tests/_zygote.py``; torchrun's ranks through ``tests/_zygote_launch.py``), as
+``tests/_ranks.py`` ``run_python`` forks torchrun: each would spend about 7 s of CPU
+importing it afresh.
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -32,7 +38,7 @@ import pytest
 
 from orchestrator.transformers._daemon import STAGING_SUFFIX, Retention, root_toml
 from tests._nodes import Cluster, make_cluster
-from tests._ranks import free_port, pump_lines
+from tests._ranks import TORCHRUN, free_port, pump_lines
 from tests._zygote import zygote
 from tests.conftest import REPO, DaemonProcess
 
@@ -47,7 +53,10 @@ RETENTION = Retention(2, "eval_score", "max")
 
 
 class Job:
-    """One process (a launcher, or a rank in a node) of the worker, its JSON lines queued."""
+    """One process (torchrun, or a rank in a node), its ranks' JSON lines queued.
+
+    ``argv``: the Python process's arguments (``python argv...``).
+    """
 
     def __init__(self, argv: list[str], env: dict[str, str], mount_ns: int | None = None) -> None:
         self.lines: queue.Queue[dict[str, Any]] = queue.Queue()
@@ -57,7 +66,7 @@ class Job:
         forked = zygote("transformers")
         if forked is None:
             pytest.skip("the test zygote is off (CKPTD_TEST_FORK=0)")
-        self.proc = forked.spawn([WORKER, *argv], full, REPO, mount_ns=mount_ns)
+        self.proc = forked.spawn(argv, full, REPO, mount_ns=mount_ns)
         pump_lines(self.proc, -1, self.lines.put)
 
     def wait(self, event: str, **match: Any) -> dict[str, Any]:
@@ -87,10 +96,14 @@ class Job:
         return "\n".join(str(line)[:300] for line in self.seen[-40:])
 
     def kill(self) -> None:
-        """SIGKILL it if it still runs."""
+        """End it if it still runs: SIGTERM (torchrun stops its ranks), then SIGKILL."""
         if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(30)
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
 
 
 def _matches(line: dict[str, Any], event: str, match: dict[str, Any]) -> bool:
@@ -100,6 +113,14 @@ def _matches(line: dict[str, Any], event: str, match: dict[str, Any]) -> bool:
 def checkpoints(out: Path) -> list[int]:
     """What transformers lists: the steps of ``output_dir``'s ``checkpoint-N`` entries."""
     return sorted(int(n.split("-")[1]) for n in os.listdir(out) if n.startswith("checkpoint-"))
+
+
+def torchrun(out: Path, *options: str) -> list[str]:
+    """``torchrun``'s command line for the job: 2 ranks of the worker writing to ``out``.
+
+    ``--standalone``: a rendezvous of its own, and a new run id each time it starts.
+    """
+    return [*TORCHRUN, "--standalone", "--nproc-per-node", "2", WORKER, "rank", str(out), *options]
 
 
 def at(step: int) -> Callable[[dict[str, Any]], bool]:
@@ -128,10 +149,7 @@ def test_killed_mid_save_then_resumed(served: tuple[DaemonProcess, Path]) -> Non
     daemon, out = served
     staging = out.with_name(out.name + STAGING_SUFFIX)
     env = {"CKPTD_SOCKET": str(daemon.socket_path)}
-    first = Job(
-        ["launch", str(out), "--steps", "8", "--die-at", "6", "--port", str(free_port())],
-        {**env, "TORCHELASTIC_RUN_ID": "hf-a"},
-    )
+    first = Job(torchrun(out, "--steps", "8", "--die-at", "6"), env)
     try:
         for rank in (0, 1):
             assert first.wait("loaded", rank=rank)["step"] == 0
@@ -151,10 +169,7 @@ def test_killed_mid_save_then_resumed(served: tuple[DaemonProcess, Path]) -> Non
     assert (out / "latest").resolve().name == "checkpoint-5"
     assert (out / "best").resolve().name == "checkpoint-3"
 
-    second = Job(
-        ["launch", str(out), "--steps", "8", "--resume", "--port", str(free_port())],
-        {**env, "TORCHELASTIC_RUN_ID": "hf-b"},
-    )
+    second = Job(torchrun(out, "--steps", "8", "--resume"), env)
     try:
         for rank in (0, 1):
             loaded = second.wait("loaded", rank=rank)
@@ -199,7 +214,7 @@ def test_two_nodes_promote_once_and_agree(make_cluster: Callable[..., Cluster]) 
             "TORCHELASTIC_RUN_ID": "hf-nodes",
             "TORCHELASTIC_RESTART_COUNT": "0",
         }
-        ranks.append(Job(["rank", str(root), "--steps", "4"], env, mount_ns=node.pid))
+        ranks.append(Job([WORKER, "rank", str(root), "--steps", "4"], env, mount_ns=node.pid))
     try:
         finished = [job.wait("finished") for job in ranks]
         assert [job.exit_code() for job in ranks] == [0, 0], ranks[1].output()
