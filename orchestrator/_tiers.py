@@ -21,7 +21,7 @@ from ._steps import Found, find_pointer
 if TYPE_CHECKING:
     from ._ops import OpsClient
 
-__all__ = ["has_fast_tier", "latest", "restore_point"]
+__all__ = ["decided", "has_fast_tier", "latest", "restore_point"]
 
 log = logging.getLogger("orchestrator")
 
@@ -56,14 +56,45 @@ def restore_point(
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     try:
-        reply = client.restore(
-            root, rank, world_size, local_world_size=local_world_size, timeout=timeout
-        )
+        return decided(
+            root, client, rank=rank, world_size=world_size,
+            local_world_size=local_world_size, timeout=timeout,
+        )  # fmt: skip
     except DaemonError as exc:
         log.warning("ckptd: no restore decision for %s (%s); the durable root's latest", root, exc)
         return find_pointer(root)
+
+
+def decided(
+    root: str,
+    client: OpsClient,
+    *,
+    rank: int,
+    world_size: int,
+    local_world_size: int | None = None,
+    timeout: float = 60.0,
+) -> Found | None:
+    """The step the daemons decided this rank of the run restores, and where.
+
+    The drop-ins' resume on a root with a fast tier: each asks with its own rank and
+    falls back to its trainer's own discovery of the durable root when this raises.
+
+    Returns:
+        The step and its directory (in the fast tier or the durable root); None when
+        neither tier holds a complete step.
+
+    Raises:
+        DaemonError: the daemon could not be reached, or could not decide.
+    """
+    reply = client.restore(
+        root, rank, world_size, local_world_size=local_world_size, timeout=timeout
+    )
     if reply.step is None or reply.path is None:
         return None
+    log.info(
+        "ckptd: resuming %s from step %s in the %s tier (%s)", root, reply.step, reply.tier,
+        reply.path,
+    )  # fmt: skip
     return Found(step=reply.step, path=reply.path)
 
 

@@ -24,12 +24,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torchtitan.components.checkpointer import dcp as _titan
 from torchtitan.components.checkpointer.dcp import AsyncMode
 from torchtitan.tools.utils import GarbageCollection
 
+from .._errors import DaemonError
+from .._steps import Found
+from .._tiers import decided, has_fast_tier
 from ._daemon import Daemon, connect
 from ._saves import Saves
 
@@ -110,6 +114,7 @@ class CheckpointManager(_titan.CheckpointManager):  # type: ignore[misc]  # unty
     ) -> None:
         self._saves: Saves | None = None
         self._closed = False
+        self._resume: Found | None = None  # while loading: the daemons' decision
         super().__init__(
             config,
             dataloader=dataloader,
@@ -204,6 +209,57 @@ class CheckpointManager(_titan.CheckpointManager):  # type: ignore[misc]  # unty
         if enable_garbage_collection:
             GarbageCollection.collect("GC collection invoked by checkpointer.")
         return result
+
+    def _load(self, step: int = -1) -> bool:
+        """Load as torchtitan does; on a root with a fast tier, the step the daemons decided.
+
+        With the daemon serving a root with a fast tier, the newest step (``step=-1``)
+        is the one the daemons decided for the run (``restore``, docs/tiers.md): its
+        copy in this node's fast tier when every node holds what its ranks read, else
+        the durable root's. Without a daemon answering, or a fast tier, or for a
+        given step, torchtitan's own search of the folder (its ``step-N`` holding
+        ``.metadata``) decides, as without ckptd.
+        """
+        self._resume = self._decided() if step == -1 else None
+        try:
+            loaded: bool = super()._load(step)
+        finally:
+            self._resume = None
+        return loaded
+
+    def _find_load_step(self, folder: str = "") -> int:
+        """The highest ``step-N`` (torchtitan's search); while resuming, the decided step."""
+        resume: Found | None = getattr(self, "_resume", None)
+        if resume is not None and not folder:
+            return resume.step
+        found: int = super()._find_load_step(folder)
+        return found
+
+    def _create_checkpoint_id(self, step: int, folder: str = "") -> str:
+        """The ``folder/step-N`` torchtitan names; while resuming from a decision, its directory."""
+        resume: Found | None = getattr(self, "_resume", None)
+        if resume is not None and not folder and step == resume.step:
+            return resume.path
+        name: str = super()._create_checkpoint_id(step, folder)
+        return name
+
+    def _decided(self) -> Found | None:
+        """The daemons' decision for a root with a fast tier; None: torchtitan's search."""
+        saves = getattr(self, "_saves", None)
+        if saves is None or not has_fast_tier(saves.daemon.root):
+            return None
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        try:
+            found = decided(saves.daemon.root, saves.daemon.client, rank=rank, world_size=world)
+        except DaemonError as exc:
+            logger.warning(
+                "ckptd: no restore decision for %s (%s); torchtitan's search of the folder decides",
+                saves.daemon.root,
+                exc,
+            )
+            return None
+        # Nothing in either tier: a fresh start (torchtitan's initial load, if any).
+        return found if found is not None else Found(step=-1, path="")
 
     def _should_purge(self) -> bool:
         """Purge by torchtitan's rule without the daemon; with it, never: the daemon retires."""

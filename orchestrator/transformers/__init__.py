@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._daemon import FINAL_PREFIX, STAGING_SUFFIX, Retention, retention_of, root_toml
 from ._files import files_of_rank
+from ._resume import get_last_checkpoint
 
 if TYPE_CHECKING:
     from ._trainer import CkptdMixin, Trainer, with_ckptd
@@ -30,6 +31,7 @@ __all__ = [
     "Retention",
     "Trainer",
     "files_of_rank",
+    "get_last_checkpoint",
     "retention_of",
     "root_toml",
     "with_ckptd",

@@ -34,6 +34,7 @@ from .._tracking import describe
 from ._daemon import Daemon, connect, retention_of
 from ._files import files_of_rank
 from ._jit import take_over
+from ._resume import decided_checkpoint
 
 if TYPE_CHECKING:
     from .._client import CheckpointClient
@@ -94,6 +95,26 @@ class CkptdMixin:
         return daemon
 
     # -- transformers' hooks -------------------------------------------------------------
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kw: Any) -> Any:
+        """Train as transformers does; ``resume_from_checkpoint=True`` asks the daemons.
+
+        With the daemon serving a root with a fast tier, ``True`` resumes from the
+        checkpoint the daemons decided for the run (``docs/tiers.md``): this node's
+        ``FAST/checkpoint-N`` when it is complete and at least as new as the durable
+        root's newest, else the durable one. Otherwise, or without an answer, it is
+        transformers' ``get_last_checkpoint(output_dir)``.
+        """
+        trainer: Any = self
+        daemon = self.ckptd
+        if resume_from_checkpoint is True and daemon is not None:
+            args_ = trainer.args
+            found = decided_checkpoint(
+                daemon.root, daemon.client, args_.process_index, args_.world_size
+            )
+            if found is not None:
+                resume_from_checkpoint = found
+        return super().train(resume_from_checkpoint, *args, **kw)  # type: ignore[misc]
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """Save a checkpoint as transformers does; with the daemon, staged and reported.
