@@ -587,13 +587,42 @@ def test_single_node_restore_from_tmpfs(
         shutil.rmtree(base, ignore_errors=True)
 
 
+def deep_verify_on_the_store(
+    server: Any, root: str, data: bytes, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``ckptd verify --deep`` streams each drained object and re-hashes it.
+
+    An object changed since (the same size) is found by its checksum.
+    """
+    from daemon.cli import main
+
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in server.env().items():
+            patch.setenv(key, value)
+        capsys.readouterr()
+        assert main(["verify", "--deep", f"{root}/step_1"]) == 0
+        said = capsys.readouterr().out
+        assert "2 files: each re-hashed, matching its recorded SHA-256" in said, said
+        key = next(k for k in server.keys(root) if k.endswith("/m/a.bin"))
+        damaged = bytearray(data)
+        damaged[12345] ^= 1
+        prefix = root.split("/", 3)[3]
+        server.client().put_object(Bucket=server.bucket, Key=f"{prefix}/{key}", Body=damaged)
+        assert main(["verify", "--deep", f"{root}/step_1", "--json"]) == 1
+        problems = json.loads(capsys.readouterr().out)["problems"]
+    rel = key.split("/", 2)[2]
+    assert f"{rel}: SHA-256 " in " ".join(problems), problems
+
+
 @pytest.mark.slow
 def test_drain_to_an_object_store_and_restore_from_it(
-    tmp_path: Path, short_dir: Path, start: Callable[..., DaemonProcess]
-) -> None:
+    tmp_path: Path, short_dir: Path, start: Callable[..., DaemonProcess],
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
     """On an ``s3://`` root (SeaweedFS) the drain commits by the commit object.
 
-    Once the fast tier is wiped, a restart restores the durable step.
+    ``ckptd verify --deep`` re-hashes its objects. Once the fast tier is wiped, a
+    restart restores the durable step.
     """
     from tests._s3 import serve
 
@@ -612,6 +641,7 @@ def test_drain_to_an_object_store_and_restore_from_it(
             keys = server.keys(root)
             assert any(k.endswith("/m/a.bin") and size == len(data) for k, size in keys.items())
             assert any(k.endswith(".ckptd-commit.json") for k in keys), keys
+            deep_verify_on_the_store(server, root, data, capsys)
             for entry in fast.iterdir():
                 shutil.rmtree(
                     entry

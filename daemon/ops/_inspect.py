@@ -25,7 +25,7 @@ from ..store._routed import RoutedStorage
 from ..store._safetensors import is_index, is_safetensors
 from ..store._storage import Storage
 from ..store._tier import read_part
-from ..store._tierverify import deep_verify
+from ..store._tierverify import deep_verify, deep_verify_url
 from ..store._verify import Manifest
 from . import _retention_cmds as retention_cli
 from ._queries import Unreachable, call, daemon_status, refused, retention, socket_of, table
@@ -199,18 +199,21 @@ def verify(args: argparse.Namespace) -> int:
     storage = RoutedStorage()
     path = abspath(args.path)
     require_present(storage, path)
-    deep = getattr(args, "deep", False) and not is_s3_url(path)
-    tier_part = deep and read_part(path) is not None
+    deep = getattr(args, "deep", False)
+    s3 = is_s3_url(path)
+    tier_part = deep and not s3 and read_part(path) is not None
     problems = [] if tier_part else storage.verify_checkpoint(path)
     checked = [] if problems or tier_part else _checked(storage, path)
     if deep:
-        hashed, wrong = deep_verify(path)
+        hashed, wrong = _deep(storage, path) if s3 else deep_verify(path)
         problems += wrong
         if not wrong:
             checked.append(f"{hashed} files: each re-hashed, matching its recorded SHA-256")
-    unchecked = NOT_CHECKED_S3 if is_s3_url(path) else NOT_CHECKED
+    unchecked = NOT_CHECKED_S3 if s3 else NOT_CHECKED
     if deep:
         unchecked = "the daemon's own files (manifest, markers, part), which no checksum covers"
+        if s3:
+            unchecked = "the daemon's own objects (commit, markers), which no checksum covers"
     if args.json:
         report = {"path": args.path, "ok": not problems, "problems": problems}
         print(json.dumps({**report, "checked": checked, "not_checked": [unchecked]}))
@@ -223,6 +226,18 @@ def verify(args: argparse.Namespace) -> int:
             print(f"  checked: {line}")
     print(f"  not checked: {unchecked}")
     return 1 if problems else 0
+
+
+def _deep(storage: RoutedStorage, path: str) -> tuple[int, list[str]]:
+    """``--deep`` on an ``s3://`` step: each object streamed and re-hashed."""
+    from ..store._s3 import S3Storage
+
+    s3 = storage.s3
+    assert isinstance(s3, S3Storage)
+    try:
+        return deep_verify_url(s3, path)
+    except OSError as exc:
+        return 0, [f"the store could not be read: {exc}"]
 
 
 def _checked(storage: Storage, path: str) -> list[str]:
