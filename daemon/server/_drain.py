@@ -39,6 +39,7 @@ from ..base._errors import RequestError
 from ..config._root import RootConfig
 from ..store import _tier, _tiercoord, _tiercopy
 from ..store._tier import DrainRecord, Part
+from . import _stopdrain
 from ._tiers import TierHost, TierSaves
 
 __all__ = ["Drainer"]
@@ -359,8 +360,13 @@ class Drainer:
                 pass  # a fact left behind is only a file, never read as a newer one
 
     async def stop(self) -> None:
-        """On a clean stop: drain each root's newest local step within its grace."""
-        for root in self._daemon.config.roots:
+        """On a clean stop: drain each root's newest local step within its grace.
+
+        Across nodes, the newest step every node holds, agreed through the coordination
+        directory (:mod:`daemon.server._stopdrain`), so that every node drains the same one.
+        """
+        daemon = self._daemon
+        for root in daemon.config.roots:
             fast = root.fast
             if fast is None or not fast.drain_on_stop:
                 continue
@@ -368,19 +374,38 @@ class Drainer:
             steps = await self._saves.run(_tier.local_steps, tier)
             if not steps:
                 continue
-            newest = steps[-1]
-            record = await self._saves.run(_tier.read_drain, tier, newest)
-            if record is not None and record.state == "done":
-                continue
-            ok = False
+            step: int | None = steps[-1]
+            ok, why, agreed = False, "", False
             with anyio.move_on_after(fast.stop_grace) as scope:
-                ok = await self.drain(root, newest)
-            why = "not durable within the grace" if scope.cancelled_caught else "the drain failed"
+                try:
+                    step, lacked = await _stopdrain.agree(daemon, self._saves, root, steps,
+                                                          fast.stop_grace)  # fmt: skip
+                except OSError as exc:
+                    step, lacked = None, f"cannot agree on a step: {exc.strerror or exc}"
+                agreed = True
+                if step != steps[-1] or lacked:
+                    daemon.events.emit(
+                        "tier.stop_agreed", root=root.path, step=step, newest=steps[-1],
+                        reason=lacked or None,
+                    )  # fmt: skip
+                if step is None:
+                    why = lacked
+                else:
+                    record = await self._saves.run(_tier.read_drain, tier, step)
+                    if record is not None and record.state == "done":
+                        continue
+                    ok = await self.drain(root, step)
+            if scope.cancelled_caught:
+                why = "not durable within the grace" if agreed else (
+                    "no step agreed with the other nodes within the grace")  # fmt: skip
+            elif not ok and step is not None:
+                why = "the drain failed"
             if ok:
-                self._daemon.events.emit("tier.stop_drained", root=root.path, step=newest)
+                daemon.events.emit("tier.stop_drained", root=root.path, step=step)
             else:
-                self._daemon.events.emit(
-                    "tier.stop_drain_unfinished", "error", root=root.path, step=newest,
-                    grace_s=fast.stop_grace, local=tier.final_dir(newest),
+                local = tier.final_dir(step if step is not None else steps[-1])
+                daemon.events.emit(
+                    "tier.stop_drain_unfinished", "error", root=root.path, step=step,
+                    grace_s=fast.stop_grace, local=local,
                     reason=f"{why}; the step stays in the fast tier",
                 )  # fmt: skip
