@@ -8,6 +8,7 @@ hold.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -41,6 +42,7 @@ def test_a_stop_of_every_node_commits_the_newest_step_all_hold() -> None:
     """Node 0's newest local step is 3, node 1's is 2: both drain step 2, which commits.
 
     Each node drained its own newest before: two different steps, and neither committed.
+    An older stop's fact left in the coordination directory is not counted.
     """
     with cluster(2) as nodes:
         fast = nodes.base / "fast"
@@ -58,6 +60,11 @@ def test_a_stop_of_every_node_commits_the_newest_step_all_hold() -> None:
             )  # fmt: skip
             node.start_daemon([], "--config", str(config))
         daemons = [node.daemon for node in nodes]
+        # An older stop's fact of the run, which would cover rank 1 holding only step 1.
+        stop_dir = nodes.backing_root / ".ckptd-tiers" / "stop" / "torchelastic:job:0"
+        stop_dir.mkdir(parents=True)
+        stale = {"node": "n9", "nonce": "old", "ranks": [1], "held": [1], "at": 1.0}
+        (stop_dir / "n9.json").write_text(json.dumps(stale))
         for step in (1, 2, 3):
             for rank, node in enumerate(nodes):
                 with node.connect() as client:
@@ -85,6 +92,10 @@ def test_a_stop_of_every_node_commits_the_newest_step_all_hold() -> None:
             assert daemon.proc is not None and daemon.proc.wait(60) == 0
             daemon.stop()  # reaped: its output read to the end
         assert sorted(p.name for p in nodes.backing_root.glob("step_*")) == ["step_2"]
+        # The facts counted are removed; the decision names their nonces.
+        assert sorted(p.name for p in stop_dir.iterdir()) == ["decision.json", "n9.json"]
+        decision = json.loads((stop_dir / "decision.json").read_text())
+        assert (decision["step"], decision["by"], len(decision["nonces"])) == (2, "n0", 2)
         for rank in (0, 1):
             rel = Path("step_2") / "m" / f"r{rank}.bin"
             assert (nodes.backing_root / rel).read_bytes() == (private[rank] / rel).read_bytes()

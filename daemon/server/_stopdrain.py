@@ -7,12 +7,13 @@ step lost on one node). So, for a step that spans nodes:
 
 - each stopping node writes ``stop/RUN/NODE.json`` in the durable root's coordination
   directory (RUN: the run of its newest local step): its ranks, the local steps it
-  holds, and a nonce of this stop;
+  holds, a nonce of this stop and when it was written;
 - the node serving rank 0 waits until those facts cover every rank (at most
   ``node_timeout``, or half the grace), takes the newest step every answering node
   holds (:func:`choose`), and writes ``stop/RUN/decision.json`` with the step and the
   nonces it counted, and the step's drain order (``drains/step_N.json``), which the
-  nodes still running follow as any order;
+  nodes still running follow as any order; then removes the facts it counted (a fact
+  older than ``node_timeout`` is never counted);
 - every other stopping node waits for a decision that counts its own nonce (an older
   stop's decision never does) and drains that step.
 
@@ -21,6 +22,7 @@ On one node the newest local step is drained, as it always was.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Sequence
 
@@ -42,6 +44,8 @@ class StopFacts(msgspec.Struct, frozen=True):
     nonce: str
     ranks: list[int]
     held: list[int]
+    at: float = 0.0
+    """When it was written (wall clock, seconds): an older stop's facts are not counted."""
 
 
 class StopDecision(msgspec.Struct, frozen=True):
@@ -95,7 +99,7 @@ async def agree(
     base = f"stop/{part.run or 'unnamed'}"
     mine = StopFacts(
         node=node, nonce=uuid.uuid4().hex, ranks=sorted(int(r) for r in part.ranks),
-        held=list(steps),
+        held=list(steps), at=time.time(),
     )  # fmt: skip
     await daemon.lanes.run(
         root.path, _tiercoord.write_fact, root, f"{base}/{node}.json", msgspec.json.encode(mine)
@@ -115,7 +119,11 @@ async def agree(
     until = daemon.clock() + min(root.fast.node_timeout, grace / 2)
     while True:
         facts = await daemon.lanes.run(root.path, _read_facts, root, base)
-        facts = [f for f in facts if f.node != node] + [mine]
+        # An older stop's facts (a node that stopped before, alone, or whose fact
+        # this stop has not replaced yet) are not counted: nodes' clocks agree far
+        # better than node_timeout.
+        fresh = mine.at - root.fast.node_timeout
+        facts = [f for f in facts if f.node != node and f.at >= fresh] + [mine]
         covered = {rank for f in facts for rank in f.ranks}
         if len(covered) >= part.world_size or daemon.clock() >= until:
             break
@@ -129,6 +137,13 @@ async def agree(
         order = msgspec.json.encode({"step": step, "by": node, "stop": True})
         rel = f"drains/{root.final_prefix}{step}.json"
         await daemon.lanes.run(root.path, _tiercoord.write_fact, root, rel, order)
+    for fact in facts:  # counted: the decision names their nonces, a later stop needs none
+        try:
+            await daemon.lanes.run(
+                root.path, _tiercoord.remove_fact, root, f"{base}/{fact.node}.json"
+            )
+        except OSError:
+            pass  # left behind, it is too old to be counted by a later stop
     return step, why
 
 
