@@ -589,5 +589,5 @@ class TestWithDaemon:
         with caplog.at_level(logging.WARNING, logger="orchestrator.transformers"):
             made = trainer(hf, worker, served.out, 1, client=served.client, save_total_limit=2)
         assert made.uses_daemon
-        assert "'keep_last=5', not 'keep_last=2'" in caplog.text
+        assert "'keep_last=5', not the trainer's 'keep_last=2'" in caplog.text
         assert "keep_last = 2" in caplog.text

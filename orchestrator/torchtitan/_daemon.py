@@ -14,14 +14,11 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import Any, Final
-
-import msgspec
-import torch.distributed as dist
+from typing import Final
 
 from .. import protocol as p
 from .._client import CheckpointClient
-from .._errors import DaemonError
+from .._dropin import Daemon, agree, probe, read_layout
 
 __all__ = ["FINAL_PREFIX", "Daemon", "connect", "policy_for", "root_toml"]
 
@@ -33,31 +30,6 @@ FINAL_PREFIX: Final = "step-"
 STEP_SEARCH: Final = re.compile(r"step-(\d+)")
 """torchtitan's discovery pattern (``_find_load_step``, ``_purge_stale_checkpoints``),
 applied with ``re.search``."""
-_PROBE_TIMEOUT: Final = 2.0
-_layout_decoder: Final = msgspec.json.Decoder(p.RootInfo)
-
-
-class Daemon:
-    """The daemon that promotes one torchtitan folder's steps, as the manager uses it.
-
-    Args:
-        client: A client whose daemon serves ``root``.
-        root: The checkpoint folder, absolute: the daemon's ``--root``.
-        owned: Whether the manager made ``client`` (and so closes it).
-    """
-
-    def __init__(self, client: CheckpointClient, root: str, *, owned: bool) -> None:
-        self.client = client
-        self.root = root
-        self.owned = owned
-
-    def close(self) -> None:
-        """Wait for this process's saves to be reported, then close a client of our own."""
-        if self.owned:
-            self.client.close()
-        else:
-            self.client.wait_saves()
-            self.client.flush()
 
 
 def policy_for(keep_latest_k: int) -> str:
@@ -92,66 +64,20 @@ def connect(folder: str, keep_latest_k: int, client: CheckpointClient | None) ->
             would not find them, or would find staged ones; the message gives the
             root's table to use.
     """
-    root = os.path.abspath(folder)
-    daemon, why = _probe(folder, root, keep_latest_k, client)
-    error = None
-    if daemon is not None:
-        error = _layout_error(root, keep_latest_k)
-    said = _every_rank((daemon is not None, error))
-    errors = [e for _, e in said if e is not None]
-    if errors or not all(ok for ok, _ in said):
-        if daemon is not None and daemon.owned:
-            daemon.client.close(timeout=0, report_timeout=0)
-        daemon = None
-        if errors:  # every rank raises: none is left waiting in a collective
-            raise ValueError(errors[0])
-        why = why or "not every rank reached a daemon serving it"
-    if daemon is None:
-        logger.warning(
-            "ckptd: %s; torchtitan's CheckpointManager saves and purges %s itself",
-            why,
-            folder,
-        )
-        return None
-    logger.info("ckptd: the daemon promotes and retires the checkpoints in %s", root)
-    return daemon
-
-
-def _probe(
-    folder: str, root: str, keep_latest_k: int, client: CheckpointClient | None
-) -> tuple[Daemon | None, str]:
-    if "://" in folder:
-        return None, f"{folder} is remote; ckptd serves torchtitan folders on a filesystem"
-    owned = client is None
-    if client is None:
-        path = p.default_socket_path()
-        if not os.path.exists(path):
-            return None, f"no daemon at {path}"
-        client = CheckpointClient(path)
-    daemon = Daemon(client, root, owned=owned)
-    try:
-        if not client.ping(_PROBE_TIMEOUT):
-            raise DaemonError("unreachable", f"no answer at {client.socket_path}")
-        reply = client.call(p.Retention(id=0, root=root, apply=False), 60.0)
-        policy = msgspec.convert(reply, p.RetentionReply).info.policy
-    except DaemonError as exc:  # e.g. root_not_configured: torchtitan's own behaviour
-        if owned:
-            client.close(timeout=0, report_timeout=0)
-        return None, f"the daemon does not serve {root} ({exc})"
-    if policy != policy_for(keep_latest_k):
-        logger.warning(
-            "ckptd: the daemon's retention for %s is %r, not keep_latest_k=%s; the "
-            "daemon's is applied. Configure the root as:\n%s",
-            root,
-            policy or "(none: keep everything)",
-            keep_latest_k,
-            root_toml(root, keep_latest_k),
-        )
-    return daemon, ""
+    daemon, why = probe(
+        folder,
+        client,
+        policy=policy_for(keep_latest_k),
+        table=root_toml(os.path.abspath(folder), keep_latest_k),
+        logger=logger,
+    )
+    error = None if daemon is None else _layout_error(daemon.root, keep_latest_k)
+    without = "torchtitan's CheckpointManager saves and purges"
+    return agree(daemon, why, error, location=folder, without=without, logger=logger)
 
 
 def _layout_error(root: str, keep_latest_k: int) -> str | None:
-    info = _read_layout(root)
+    info = read_layout(root)
     fix = f"Configure the root as:\n{root_toml(root, keep_latest_k)}"
     if info is None:
         return (
@@ -169,19 +95,3 @@ def _layout_error(root: str, keep_latest_k: int) -> str | None:
             f"search for step-(\\d+) would take for a checkpoint. {fix}"
         )
     return None
-
-
-def _read_layout(root: str) -> p.RootInfo | None:
-    try:
-        with open(os.path.join(root, p.LAYOUT_FILE), "rb") as fh:
-            return _layout_decoder.decode(fh.read(64 * 1024))
-    except (OSError, msgspec.DecodeError):
-        return None
-
-
-def _every_rank(mine: tuple[bool, str | None]) -> list[tuple[bool, str | None]]:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [mine]
-    said: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(said, mine)
-    return [(bool(ok), error) for ok, error in said]

@@ -21,7 +21,7 @@ import msgspec
 
 from .. import protocol as p
 from .._client import CheckpointClient
-from .._errors import DaemonError
+from .._dropin import Daemon, agree, probe, read_layout
 
 __all__ = [
     "FINAL_PREFIX",
@@ -41,8 +41,6 @@ root's ``final_prefix``."""
 STAGING_SUFFIX: Final = ".ckptd-staging"
 """The staging directory :func:`root_toml` proposes: ``output_dir`` with this suffix,
 beside it."""
-_PROBE_TIMEOUT: Final = 2.0
-_layout_decoder: Final = msgspec.json.Decoder(p.RootInfo)
 
 
 class Retention(msgspec.Struct, frozen=True):
@@ -114,21 +112,6 @@ def root_toml(output_dir: str, retention: Retention, staging: str | None = None)
     return "\n".join(lines) + "\n"
 
 
-class Daemon:
-    """The daemon that promotes one ``output_dir``'s checkpoints, as the trainer uses it.
-
-    Args:
-        client: A client whose daemon serves ``root``.
-        root: The Trainer's ``output_dir``, absolute: the daemon's root.
-        owned: Whether the trainer made ``client``.
-    """
-
-    def __init__(self, client: CheckpointClient, root: str, *, owned: bool) -> None:
-        self.client = client
-        self.root = root
-        self.owned = owned
-
-
 def connect(
     output_dir: str, retention: Retention, client: CheckpointClient | None
 ) -> Daemon | None:
@@ -142,65 +125,20 @@ def connect(
             so that transformers would not find them, or would find saves in flight;
             the message gives the root's table to use.
     """
-    root = os.path.abspath(output_dir)
-    daemon, why = _probe(output_dir, root, retention, client)
-    error = None
-    if daemon is not None:
-        error = _layout_error(root, retention)
-    said = _every_rank((daemon is not None, error))
-    errors = [e for _, e in said if e is not None]
-    if errors or not all(ok for ok, _ in said):
-        if daemon is not None and daemon.owned:
-            daemon.client.close(timeout=0, report_timeout=0)
-        daemon = None
-        if errors:  # every rank raises: none is left waiting in a collective
-            raise ValueError(errors[0])
-        why = why or "not every rank reached a daemon serving it"
-    if daemon is None:
-        logger.warning(
-            "ckptd: %s; transformers' Trainer saves and rotates the checkpoints in %s itself",
-            why,
-            output_dir,
-        )
-        return None
-    logger.info("ckptd: the daemon promotes and retires the checkpoints in %s", root)
-    return daemon
-
-
-def _probe(
-    output_dir: str, root: str, retention: Retention, client: CheckpointClient | None
-) -> tuple[Daemon | None, str]:
-    if "://" in output_dir:
-        return None, f"{output_dir} is remote; ckptd serves output directories on a filesystem"
-    owned = client is None
-    if client is None:
-        path = p.default_socket_path()
-        if not os.path.exists(path):
-            return None, f"no daemon at {path}"
-        client = CheckpointClient(path)
-    try:
-        if not client.ping(_PROBE_TIMEOUT):
-            raise DaemonError("unreachable", f"no answer at {client.socket_path}")
-        reply = client.call(p.Retention(id=0, root=root, apply=False), 60.0)
-        policy = msgspec.convert(reply, p.RetentionReply).info.policy
-    except DaemonError as exc:  # e.g. root_not_configured: transformers' own behaviour
-        if owned:
-            client.close(timeout=0, report_timeout=0)
-        return None, f"the daemon does not serve {root} ({exc})"
-    if policy != retention.policy():
-        logger.warning(
-            "ckptd: the daemon's retention for %s is %r, not %r (save_total_limit and "
-            "the best model); the daemon's is applied. Configure the root as:\n%s",
-            root,
-            policy or "(none: keep everything)",
-            retention.policy() or "(none: keep everything)",
-            root_toml(root, retention),
-        )
-    return Daemon(client, root, owned=owned), ""
+    daemon, why = probe(
+        output_dir,
+        client,
+        policy=retention.policy(),
+        table=root_toml(os.path.abspath(output_dir), retention),
+        logger=logger,
+    )
+    error = None if daemon is None else _layout_error(daemon.root, retention)
+    without = "transformers' Trainer saves and rotates the checkpoints in"
+    return agree(daemon, why, error, location=output_dir, without=without, logger=logger)
 
 
 def _layout_error(root: str, retention: Retention) -> str | None:
-    info = _read_layout(root)
+    info = read_layout(root)
     fix = f"Configure the root as:\n{root_toml(root, retention)}"
     if info is None:
         return (
@@ -219,21 +157,3 @@ def _layout_error(root: str, retention: Retention) -> str | None:
             f"beside it. {fix}"
         )
     return None
-
-
-def _read_layout(root: str) -> p.RootInfo | None:
-    try:
-        with open(os.path.join(root, p.LAYOUT_FILE), "rb") as fh:
-            return _layout_decoder.decode(fh.read(64 * 1024))
-    except (OSError, msgspec.DecodeError):
-        return None
-
-
-def _every_rank(mine: tuple[bool, str | None]) -> list[tuple[bool, str | None]]:
-    import torch.distributed as dist  # the trainer's process has torch
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [mine]
-    said: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(said, mine)
-    return [(bool(ok), error) for ok, error in said]
