@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Sequence
+from functools import partial
 
 import anyio
 import msgspec
@@ -118,7 +119,9 @@ async def agree(
             await anyio.sleep(root.poll_interval)
     until = daemon.clock() + min(root.fast.node_timeout, grace / 2)
     while True:
-        facts = await daemon.lanes.run(root.path, _read_facts, root, base)
+        facts = await daemon.lanes.run(
+            root.path, partial(_tiercoord.read_facts, skip="decision.json"), root, base, StopFacts
+        )
         # An older stop's facts (a node that stopped before, alone, or whose fact
         # this stop has not replaced yet) are not counted: nodes' clocks agree far
         # better than node_timeout.
@@ -145,18 +148,3 @@ async def agree(
         except OSError:
             pass  # left behind, it is too old to be counted by a later stop
     return step, why
-
-
-def _read_facts(root: RootConfig, base: str) -> list[StopFacts]:
-    facts = []
-    for name in _tiercoord.list_names(root, base):
-        if name == "decision.json":
-            continue
-        data = _tiercoord.read_fact(root, f"{base}/{name}")
-        if data is None:
-            continue
-        try:
-            facts.append(msgspec.json.decode(data, type=StopFacts))
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            continue
-    return facts

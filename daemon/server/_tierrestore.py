@@ -23,6 +23,7 @@ wrote; and, when the step spans nodes, only if no node's part holds a global DCP
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import anyio
 import msgspec
@@ -203,7 +204,13 @@ class Restorer:
             if data is not None:
                 return msgspec.json.decode(data, type=Decision)
             if 0 in ranks:
-                nodes = await daemon.lanes.run(root.path, _read_nodes, root, base)
+                nodes = await daemon.lanes.run(
+                    root.path,
+                    partial(_tiercoord.read_facts, skip="decision.json"),
+                    root,
+                    base,
+                    _NodeFacts,
+                )
                 covered = {r for n in nodes for r in n.ranks}
                 if len(covered) >= request.world_size or daemon.clock() >= deadline:
                     common = set(usable)
@@ -241,18 +248,3 @@ def _choose(fast: int | None, durable: int | None, by: str, why: str) -> Decisio
         if durable is None:
             reason = "nothing saved yet"
     return Decision(step=durable, tier="durable", by=by, reason=reason)
-
-
-def _read_nodes(root: RootConfig, base: str) -> list[_NodeFacts]:
-    facts = []
-    for name in _tiercoord.list_names(root, base):
-        if name == "decision.json":
-            continue
-        data = _tiercoord.read_fact(root, f"{base}/{name}")
-        if data is None:
-            continue
-        try:
-            facts.append(msgspec.json.decode(data, type=_NodeFacts))
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            continue
-    return facts

@@ -19,14 +19,26 @@ from __future__ import annotations
 
 import os
 import uuid
-from typing import Final
+from typing import Final, TypeVar
+
+import msgspec
 
 from ..config._root import RootConfig
 from ._durable import fsync_dir, write_atomic
 
-__all__ = ["COORD", "create_once", "list_names", "read_fact", "remove_fact", "write_fact"]
+__all__ = [
+    "COORD",
+    "create_once",
+    "list_names",
+    "read_fact",
+    "read_facts",
+    "remove_fact",
+    "write_fact",
+]
 
 COORD: Final = ".ckptd-tiers"
+
+_F = TypeVar("_F", bound=msgspec.Struct)
 
 
 def _path(root: RootConfig, rel: str) -> str:
@@ -113,6 +125,26 @@ def list_names(root: RootConfig, rel: str) -> list[str]:
     except (FileNotFoundError, NotADirectoryError):
         return []
     return sorted(n for n in names if not n.endswith(".tmp"))
+
+
+def read_facts(root: RootConfig, rel: str, kind: type[_F], *, skip: str) -> list[_F]:
+    """Every fact of directory ``rel`` that decodes as ``kind`` (``skip`` left out).
+
+    The nodes' facts beside one decision (``restore/RUN/``, ``stop/RUN/``): a fact that
+    vanished or does not decode is left out, as a node that has not spoken.
+    """
+    facts = []
+    for name in list_names(root, rel):
+        if name == skip:
+            continue
+        data = read_fact(root, f"{rel}/{name}")
+        if data is None:
+            continue
+        try:
+            facts.append(msgspec.json.decode(data, type=kind))
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            continue
+    return facts
 
 
 def remove_fact(root: RootConfig, rel: str) -> None:
