@@ -81,24 +81,34 @@ def sha(path: Path) -> str:
 # -- across nodes --------------------------------------------------------------------------
 
 
+def with_fast_tiers(nodes: Cluster, **settings: Any) -> tuple[Path, list[Path]]:
+    """Give each node its own fast tier at one path, and start its daemon with ``settings``.
+
+    Returns:
+        The path every node names, and each node's private directory bound there.
+    """
+    fast = nodes.base / "fast"  # the path every node names; bound privately in each
+    fast.mkdir()
+    private = []
+    for node in nodes:
+        own = nodes.base / f"{node.name}-fast"
+        own.mkdir()
+        private.append(own)
+        bound = node.run(["mount", "--bind", str(own), str(fast)])
+        assert bound.returncode == 0, bound.stderr
+        config = tier_config(
+            node.home, nodes.root, fast, root_extra='watch = "poll"\npoll_interval = 0.1',
+            **settings,
+        )  # fmt: skip
+        node.start_daemon([], "--config", str(config))
+    return fast, private
+
+
 @pytest.fixture(scope="module")
 def two_nodes() -> Iterator[tuple[Cluster, Path, list[Path]]]:
     """Two nodes, each with its own fast tier at one path, and their daemons."""
     with cluster(2) as nodes:
-        fast = nodes.base / "fast"  # the path every node names; bound privately in each
-        fast.mkdir()
-        private = []
-        for node in nodes:
-            own = nodes.base / f"{node.name}-fast"
-            own.mkdir()
-            private.append(own)
-            bound = node.run(["mount", "--bind", str(own), str(fast)])
-            assert bound.returncode == 0, bound.stderr
-            config = tier_config(
-                node.home, nodes.root, fast, root_extra='watch = "poll"\npoll_interval = 0.1',
-                keep=3, drain_every_steps=2, node_timeout=20,
-            )  # fmt: skip
-            node.start_daemon([], "--config", str(config))
+        fast, private = with_fast_tiers(nodes, keep=3, drain_every_steps=2, node_timeout=20)
         yield nodes, fast, private
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests._nodes import cluster
-from tests.test_tiers import at, save, tier_config
+from tests.test_tiers import at, save, with_fast_tiers
 
 
 def test_the_step_a_stop_drains() -> None:
@@ -45,20 +45,7 @@ def test_a_stop_of_every_node_commits_the_newest_step_all_hold() -> None:
     An older stop's fact left in the coordination directory is not counted.
     """
     with cluster(2) as nodes:
-        fast = nodes.base / "fast"
-        fast.mkdir()
-        private = []
-        for node in nodes:
-            own = nodes.base / f"{node.name}-fast"
-            own.mkdir()
-            private.append(own)
-            bound = node.run(["mount", "--bind", str(own), str(fast)])
-            assert bound.returncode == 0, bound.stderr
-            config = tier_config(
-                node.home, nodes.root, fast, root_extra='watch = "poll"\npoll_interval = 0.1',
-                keep=3, node_timeout=10, stop_grace=40,
-            )  # fmt: skip
-            node.start_daemon([], "--config", str(config))
+        _, private = with_fast_tiers(nodes, keep=3, node_timeout=10, stop_grace=40)
         daemons = [node.daemon for node in nodes]
         # An older stop's fact of the run, which would cover rank 1 holding only step 1.
         stop_dir = nodes.backing_root / ".ckptd-tiers" / "stop" / "torchelastic:job:0"

@@ -16,7 +16,7 @@ from typing import Final
 
 from ..base._errors import VerificationError
 from ..config._root import RootConfig
-from ._tierpace import Throttle, lower_io_priority
+from ._tierpace import Throttle, in_drain_threads, lower_io_priority
 
 __all__ = [
     "Throttle",
@@ -158,8 +158,6 @@ def copy_part(
     Raises:
         VerificationError, OSError: as :func:`copy_checked`; the first one met.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
     throttle = Throttle(rate)
 
     def one(entry: tuple[str, int, str]) -> int:
@@ -169,13 +167,7 @@ def copy_part(
             return 0
         return copy_checked(os.path.join(src_dir, path), dst, size, sha, throttle)
 
-    with ThreadPoolExecutor(
-        max_workers=max(1, threads),
-        thread_name_prefix="ckptd-drain",
-        initializer=lower_io_priority,
-        initargs=(ionice,),
-    ) as pool:
-        return sum(pool.map(one, files))
+    return in_drain_threads(one, files, threads, ionice)
 
 
 def _matches(path: str, size: int, sha256: str) -> bool:

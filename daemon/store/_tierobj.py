@@ -13,13 +13,12 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Final
 
 from ..base._errors import VerificationError
 from ..config._root import RootConfig
 from ._s3client import Bucket, Precondition
-from ._tierpace import Throttle, lower_io_priority
+from ._tierpace import Throttle, in_drain_threads
 
 __all__ = ["copy_part", "create_once", "list_names", "read_fact", "remove_fact", "write_fact"]
 
@@ -121,13 +120,7 @@ def copy_part(
             raise VerificationError(f"the upload of {path} to {dst} does not match its checksum")
         return size
 
-    with ThreadPoolExecutor(
-        max_workers=max(1, threads),
-        thread_name_prefix="ckptd-drain",
-        initializer=lower_io_priority,
-        initargs=(ionice,),
-    ) as pool:
-        return sum(pool.map(one, files))
+    return in_drain_threads(one, files, threads, ionice)
 
 
 def write_small(root: RootConfig, url: str, data: bytes) -> None:

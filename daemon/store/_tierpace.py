@@ -6,15 +6,19 @@ import ctypes
 import os
 import threading
 import time
-from typing import Final
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Final, TypeVar
 
-__all__ = ["Throttle", "lower_io_priority"]
+__all__ = ["Throttle", "in_drain_threads", "lower_io_priority"]
 
 _PR_SET_NAME: Final = 15
 _IOPRIO_WHO_PROCESS: Final = 1
 _IOPRIO_CLASS_SHIFT: Final = 13
 _CLASSES: Final = {"best-effort": (2, 7), "idle": (3, 0)}
 _SYS_IOPRIO_SET: Final = {"x86_64": 251, "aarch64": 30}
+
+_E = TypeVar("_E")
 
 
 class Throttle:
@@ -57,3 +61,20 @@ def lower_io_priority(kind: str) -> bool:
         int(libc.syscall(number, _IOPRIO_WHO_PROCESS, tid, (cls << _IOPRIO_CLASS_SHIFT) | level))
         == 0
     )
+
+
+def in_drain_threads(
+    one: Callable[[_E], int], entries: Iterable[_E], threads: int, ionice: str
+) -> int:
+    """``sum(one(e) for e in entries)``, ``threads`` at a time in the drain's own threads.
+
+    Named ``ckptd-drain``, each at IO class ``ionice`` (:func:`lower_io_priority`); the
+    first exception raised by ``one`` is raised here.
+    """
+    with ThreadPoolExecutor(
+        max_workers=max(1, threads),
+        thread_name_prefix="ckptd-drain",
+        initializer=lower_io_priority,
+        initargs=(ionice,),
+    ) as pool:
+        return sum(pool.map(one, entries))
