@@ -181,3 +181,89 @@ def test_transformers_resumes_from_the_fast_tier_then_the_durable_root(
     assert seen == [0, 3, 4]
     sources = [daemon.wait_event("tier.restore", match=of_run(r)) for r in ("h:1", "h:2")]
     assert [(e["step"], e["source"]) for e in sources] == [(3, "fast"), (4, "durable")]
+
+
+def test_nemo_rl_saves_into_the_fast_tier_and_resumes_from_the_daemons_decision(
+    tmp_path: Path, short_dir: Path, start: Callable[..., DaemonProcess]
+) -> None:
+    """NeMo-RL's driver writes into ``FAST/tmp_step_N`` and resumes where the daemons say.
+
+    The driver's ``training_info.json`` and ``config.yaml``, written before its worker's
+    ``begin`` (here two ranks of a real client naming the driver's run, as
+    ``AutomodelCheckpointManager`` does; the driver knows no world size), are kept, sealed into the node's part and
+    drained with the step. A new run's ``get_latest_checkpoint_path`` is the fast tier's
+    newest step; once the fast tier is wiped, the durable root's.
+    """
+    import msgspec
+
+    from orchestrator import CheckpointClient, FileEntry
+    from orchestrator.nemo_rl import CheckpointManager, retention_toml
+    from tests.test_nemo_rl import config_for
+
+    root, fast = tmp_path / "results", tmp_path / "fast"
+    root.mkdir()
+    fast.mkdir()
+    config = short_dir / "nemo.toml"
+    config.write_text(with_fast(retention_toml(str(root), None), fast, drain_every_steps=2))
+    daemon = start([], "--config", str(config))
+    socket = str(daemon.socket_path)
+
+    class RunConfig:
+        def model_dump(self) -> dict[str, Any]:
+            return {"grpo": {"max_num_steps": 3}}
+
+    def driver(run: str) -> tuple[CheckpointManager, CheckpointClient]:
+        client = CheckpointClient(socket)
+        made = CheckpointManager(config_for(root), client=client, run=run)  # type: ignore[arg-type]
+        assert made.uses_daemon
+        return made, client
+
+    manager, client = driver("nemo-rl-a")
+    with CheckpointClient(socket, run=manager.run) as worker:
+        for step in (1, 2, 3):
+            path = manager.init_tmp_checkpoint(step, {"step": step}, RunConfig())
+            assert str(path) == str(fast / f"tmp_step_{step}")
+            for rank in (0, 1):  # the workers' begins, each one's shard, done
+                handle = worker.save(str(root), step, rank, 2, local_world_size=2)
+                assert handle.path == str(path)  # AutomodelCheckpointManager's check
+                name = f"policy/weights/shard{rank}.bin"
+                shard = Path(handle.path) / name
+                shard.parent.mkdir(parents=True, exist_ok=True)
+                shard.write_bytes(bytes([step]) * 64)
+                handle.add_files([FileEntry(name, 64)])
+                handle.seal()
+            manager.finalize_checkpoint(path)  # the daemon's verdict: promoted locally
+            assert (fast / f"step_{step}" / "training_info.json").is_file()
+        # Another run's leftover is still removed at the first begin.
+        stale, marker = fast / "tmp_step_9", ".ckptd-tier/run"  # protocol.TIER_RUN_FILE
+        (stale / marker).parent.mkdir(parents=True)
+        (stale / marker).write_text("nemo-rl-other")
+        (stale / "training_info.json").write_text("{}")
+        worker.save(str(root), 9, 0, 2, local_world_size=2).fail("not this test's step")
+        assert not (stale / "training_info.json").exists()
+    client.close(timeout=5)
+    daemon.wait_event("tier.drained", match=at(2), timeout=30)
+    part = msgspec.json.decode((fast / "step_3" / ".ckptd-tier" / "part.json").read_bytes())
+    assert sorted(f["path"] for f in part["unreported"]) == ["config.yaml", "training_info.json"]
+    durable = root / "step_2"
+    assert json_of(durable / "training_info.json") == {"step": 2}
+    assert (durable / "config.yaml").read_text() == (fast / "step_2" / "config.yaml").read_text()
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_2"]
+
+    for run, want in (("nemo-rl-b", fast / "step_3"), ("nemo-rl-c", durable)):
+        if want == durable:
+            wipe(fast)
+        manager, client = driver(run)
+        found = manager.get_latest_checkpoint_path()
+        assert found == str(want)
+        assert manager.load_training_info(found) == {"step": int(want.name.split("_")[1])}
+        event = daemon.wait_event("tier.restore", match=of_run(run))
+        assert event["source"] == ("fast" if want.parent == fast else "durable")
+        client.close(timeout=5)
+
+
+def json_of(path: Path) -> Any:
+    """A JSON file's value."""
+    import json
+
+    return json.loads(path.read_text())

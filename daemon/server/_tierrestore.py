@@ -142,7 +142,9 @@ class Restorer:
             spans = lws < request.world_size
             ranks = sorted(gather.ranks) if spans else list(range(request.world_size))
             tier = _tier.tier_root(root)
-            usable = await self._usable(root, tier, ranks, spans, request.world_size)
+            # A driver (not a rank) knows no world size: each step's own counts.
+            world = None if request.driver else request.world_size
+            usable = await self._usable(root, tier, ranks, spans, world)
             durable, _ = await self._durable(root)
             run = run_key(request.run) or "unnamed"
             if not spans:
@@ -162,14 +164,21 @@ class Restorer:
             gather.decided.set()
 
     async def _usable(
-        self, root: RootConfig, tier: RootConfig, ranks: list[int], spans: bool, world: int
-    ) -> list[int]:
+        self, root: RootConfig, tier: RootConfig, ranks: list[int], spans: bool,
+        world: int | None,
+    ) -> list[int]:  # fmt: skip
+        """The local steps this node can offer.
+
+        ``world`` None: a driver asks, and a step counts when this node holds every
+        rank of the world it was saved with.
+        """
         usable = []
         for step in await self._saves.run(_tier.local_steps, tier):
             part: Part | None = await self._saves.run(_tier.read_part, tier.final_dir(step))
-            if part is None or part.world_size != world:
+            if part is None or (world is not None and part.world_size != world):
                 continue
-            if not await self._saves.run(_tier.holds, tier, step, ranks):
+            needed = ranks if world is not None else list(range(part.world_size))
+            if not await self._saves.run(_tier.holds, tier, step, needed):
                 continue
             if spans:
                 parts = await self._daemon.lanes.run(root.path, read_parts, root, step)

@@ -289,11 +289,12 @@ class TierSaves:
             return None
         with anyio.move_on_after(request.timeout):
             await save.settled.wait()
+        attempt = save.attempt
         if save.state == "promoted":
-            return p.WaitReply(id=request.id, state="promoted", path=save.path)
+            return p.WaitReply(id=request.id, state="promoted", path=save.path, attempt=attempt)
         if save.state == "failed":
-            return p.WaitReply(id=request.id, state="failed", reason=save.reason)
-        return p.WaitReply(id=request.id, state="pending")
+            return p.WaitReply(id=request.id, state="failed", reason=save.reason, attempt=attempt)
+        return p.WaitReply(id=request.id, state="pending", attempt=attempt)
 
     # -- sealing and the local promotion -----------------------------------------------
 

@@ -25,7 +25,7 @@ from typing import Final
 
 import msgspec
 
-from orchestrator.protocol import FileEntry
+from orchestrator.protocol import TIER_RUN_FILE, FileEntry
 
 from ..base._errors import VerificationError
 from ..config._root import RootConfig
@@ -86,10 +86,15 @@ class Part(msgspec.Struct, frozen=True, kw_only=True):
     """The files each of this node's ranks wrote."""
     bytes: int = 0
     hash_s: float = 0.0
+    unreported: list[PartFile] = []
+    """The step directory's other files at the seal, which no rank reported: a
+    driver's, written before its workers' ``begin`` (NeMo-RL's ``training_info.json``,
+    ``config.yaml``), counted as the durable root counts every file of its attempt."""
 
     def files(self) -> list[PartFile]:
         """Every file of the part, once, sorted by path."""
         seen = {f.path: f for files in self.ranks.values() for f in files}
+        seen.update((f.path, f) for f in self.unreported)
         return [seen[k] for k in sorted(seen)]
 
 
@@ -129,9 +134,11 @@ def free_bytes(path: str) -> int:
 def prepare(tier: RootConfig, step: int, run: str, need: int, *, fresh: bool = False) -> str:
     """Make ``tmp_step_N`` of the fast tier run ``run``'s, with room for ``need`` bytes.
 
-    A directory another run left there (or, ``fresh``, a failed save of this run) is
-    removed first: attempts never mix, and the fast tier keeps no failed attempts (its
-    space is the scarce thing).
+    A directory another run left there, or one no run marked (or, ``fresh``, a failed
+    save of this run) is removed first: attempts never mix, and the fast tier keeps no
+    failed attempts (its space is the scarce thing). One this run marked
+    (:data:`~orchestrator.protocol.TIER_RUN_FILE`: its driver's files, written before the
+    first ``begin``) is kept with them.
 
     Raises:
         TierFullError: fewer than ``need`` bytes are free.
@@ -144,7 +151,7 @@ def prepare(tier: RootConfig, step: int, run: str, need: int, *, fresh: bool = F
             f"{need} (the node's part of the last step, or min_free_mb)",
         )
     tmp = tier.tmp_dir(step)
-    owner = os.path.join(tmp, ".ckptd-tier", "run")
+    owner = os.path.join(tmp, TIER_RUN_FILE)
     try:
         with open(owner, encoding="utf-8") as f:
             if f.read() == run and not fresh:
@@ -184,7 +191,9 @@ def seal(
     """Check this node's ranks' files, hash each once, and write the part file.
 
     Each file's size is what is on disk, at least what its rank reported (a size
-    reported is a minimum, as for DCP's ``.metadata``).
+    reported is a minimum, as for DCP's ``.metadata``). The directory's other regular
+    files (a driver's, written before the first ``begin``) are hashed into the part as
+    :attr:`Part.unreported`; the daemon's own ``.ckptd-tier/`` is not.
 
     Raises:
         VerificationError: a reported file is missing or shorter than reported.
@@ -211,6 +220,16 @@ def seal(
                 hashed[entry.path] = PartFile(entry.path, size, sha)
             own.append(hashed[entry.path])
         ranks[str(rank)] = own
+    unreported: list[PartFile] = []
+    for rel in _regular_files(tmp):
+        if rel not in hashed:
+            try:
+                size, sha = hash_file(os.path.join(tmp, rel))
+            except OSError as exc:
+                problems.append(f"{rel}: {exc.strerror or exc}")
+                continue
+            hashed[rel] = PartFile(rel, size, sha)
+            unreported.append(hashed[rel])
     if problems:
         raise VerificationError(f"fast tier {tmp}: " + "; ".join(problems[:5]))
     part = Part(
@@ -220,6 +239,7 @@ def seal(
         world_size=world_size,
         incarnation=incarnation(tier.path),
         ranks=ranks,
+        unreported=unreported,
         bytes=sum(f.size for f in hashed.values()),
         hash_s=round(time.monotonic() - start, 3),
     )
@@ -231,6 +251,29 @@ def seal(
             os.close(fd)
     write_atomic(os.path.join(tmp, PART), msgspec.json.encode(part))
     return part
+
+
+def _regular_files(top: str) -> list[str]:
+    """Every regular file under ``top``, relative, sorted (no symlink followed).
+
+    The daemon's own ``.ckptd-tier/`` is left out.
+    """
+    found: list[str] = []
+    stack = [""]
+    while stack:
+        rel_dir = stack.pop()
+        try:
+            entries = list(os.scandir(os.path.join(top, rel_dir)))
+        except OSError:
+            continue
+        for entry in entries:
+            rel = os.path.join(rel_dir, entry.name) if rel_dir else entry.name
+            if entry.is_dir(follow_symlinks=False):
+                if rel != ".ckptd-tier":
+                    stack.append(rel)
+            elif entry.is_file(follow_symlinks=False):
+                found.append(rel)
+    return sorted(found)
 
 
 def read_part(directory: str) -> Part | None:
@@ -349,14 +392,20 @@ def write_drain(tier: RootConfig, step: int, record: DrainRecord) -> None:
 
 
 def holds(tier: RootConfig, step: int, ranks: Iterable[int]) -> bool:
-    """Whether local ``step_N`` holds every file ``ranks`` wrote, each at its size."""
+    """Whether local ``step_N`` holds every file ``ranks`` wrote, each at its size.
+
+    And the part's unreported files (a driver's, which the restoring job reads too).
+    """
     part = read_part(tier.final_dir(step))
     if part is None:
         return False
+    wanted: list[list[PartFile]] = [part.unreported]
     for rank in ranks:
         files = part.ranks.get(str(rank))
         if files is None:
             return False
+        wanted.append(files)
+    for files in wanted:
         for f in files:
             try:
                 if os.stat(os.path.join(tier.final_dir(step), f.path)).st_size != f.size:

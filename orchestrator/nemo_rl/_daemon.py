@@ -110,6 +110,19 @@ class DaemonRoot:
         step = reply.get("step")
         return step if isinstance(step, int) else None
 
+    def restore(self, run: str, timeout: float = 60.0) -> p.RestoreReply:
+        """The step the daemons decided run ``run`` resumes from, and where (a fast tier).
+
+        Asked as the job's driver (``driver``): rank 0 of a world of 1, the step's own
+        world size counting.
+        """
+        import msgspec
+
+        request = p.Restore(
+            id=0, root=self.root, rank=0, world_size=1, run=run, timeout=timeout, driver=True
+        )
+        return msgspec.convert(self.client.call(request, timeout + 10.0), p.RestoreReply)
+
     def retention(self, *, apply: bool) -> p.RetentionReply:
         """The root's retention verdicts (and, with ``apply``, a pass run now)."""
         import msgspec

@@ -26,7 +26,9 @@ from typing import Any, Literal
 
 from .._client import CheckpointClient
 from .._errors import DaemonError
+from .._layout import read_layout
 from .._run import run_identity
+from ..protocol import TIER_RUN_FILE
 from ._config import CheckpointingConfig, PathLike, describe_policy, retention_table
 from ._config import retention_toml as _toml
 from ._daemon import DaemonRoot, probe
@@ -120,6 +122,7 @@ class CheckpointManager(Finalizer):
         each run of the job (``AutomodelCheckpointManager.save_checkpoint(run=...)``)."""
         super().__init__()
         self._daemon = self._connect(client, use_daemon)
+        self._fast: Path | None = self._fast_tier()
 
     # -- where the daemon comes in ------------------------------------------------------
 
@@ -147,6 +150,18 @@ class CheckpointManager(Finalizer):
             root,
         )
         return None
+
+    def _fast_tier(self) -> Path | None:
+        """The root's fast tier, with the daemon, where its layout file names one."""
+        if self._daemon is None:
+            return None
+        info = read_layout(self._daemon.root)
+        if info is None or not info.fast:
+            return None
+        logger.info(
+            "ckptd: steps of %s are written into its fast tier %s", self._daemon.root, info.fast
+        )
+        return Path(info.fast)
 
     def _check_policy(self, root: str, policy: str) -> None:
         table = retention_table(self.config)
@@ -206,7 +221,7 @@ class CheckpointManager(Finalizer):
             FileExistsError: with the daemon, ``step_N`` is already a complete
                 checkpoint (the daemon never replaces one).
         """
-        save_dir = self.checkpoint_dir / f"tmp_step_{step}"
+        save_dir = (self._fast or self.checkpoint_dir) / f"tmp_step_{step}"
         if self._daemon is not None:
             self._free(step)
         if save_dir.exists():
@@ -214,6 +229,11 @@ class CheckpointManager(Finalizer):
             shutil.rmtree(save_dir)
             logger.info("removed stale %s in %.2fs", save_dir.name, time.monotonic() - began)
         save_dir.mkdir(parents=True, exist_ok=True)
+        if self._fast is not None:
+            # The daemon keeps a fast-tier directory at the workers' first begin only if
+            # it names their run: these files are then the step's (sealed and drained).
+            (save_dir / TIER_RUN_FILE).parent.mkdir(exist_ok=True)
+            (save_dir / TIER_RUN_FILE).write_text(self.run, encoding="utf-8")
         info = {key: _plain(value) for key, value in dict(training_info).items()}
         with open(save_dir / "training_info.json", "w") as fh:
             json.dump(info, fh)
@@ -301,9 +321,24 @@ class CheckpointManager(Finalizer):
     def get_latest_checkpoint_path(self) -> str | None:
         """The checkpoint with the highest step (with the daemon: ``latest``'s target).
 
+        On a root with a fast tier, the step the daemons decided this run resumes from
+        (``restore``): the fast tier's ``step_N`` when this node holds all of it, else
+        the durable root's newest; NeMo-RL's own search of the root if they cannot
+        decide.
+
         Returns:
             Its path, or None when there is none.
         """
+        if self._daemon is not None and self._fast is not None:
+            try:
+                reply = self._daemon.restore(self.run)
+            except DaemonError as exc:
+                logger.warning(
+                    "ckptd: no restore decision for %s (%s); searching the root as NeMo-RL "
+                    "does", self._daemon.root, exc,
+                )  # fmt: skip
+            else:
+                return reply.path if reply.step is not None else None
         if self._daemon is not None:
             step = self._daemon.latest()
             if step is not None:

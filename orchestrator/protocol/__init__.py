@@ -23,6 +23,7 @@ from ._constants import (
     MAX_LINE,
     MAX_REPLY,
     PROTOCOL_VERSION,
+    TIER_RUN_FILE,
     ErrorCode,
     RankState,
     SaveState,
@@ -88,6 +89,7 @@ from ._runs import LaunchRun, launch_run, run_supersedes
 
 __all__ = [
     "ATTEMPT_MARKER",
+    "TIER_RUN_FILE",
     "LAYOUT_FILE",
     "MAX_LINE",
     "MAX_REPLY",

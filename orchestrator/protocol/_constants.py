@@ -15,6 +15,7 @@ from typing import Final
 __all__ = [
     "ATTEMPT_MARKER",
     "LAYOUT_FILE",
+    "TIER_RUN_FILE",
     "MAX_LINE",
     "MAX_REPLY",
     "PROTOCOL_VERSION",
@@ -41,6 +42,12 @@ LAYOUT_FILE: Final = ".ckptd-layout.json"
 """File in each configured root describing how its directories are named (JSON,
 :class:`RootInfo`); written by the daemon at start, so that a client can name a step's
 directory while the daemon is unreachable."""
+
+TIER_RUN_FILE: Final = ".ckptd-tier/run"
+"""File in a fast tier's ``tmp_step_N`` naming the run whose save the directory is (the
+run's id, UTF-8). The daemon writes it at the step's first ``begin``; a driver that writes
+its own files there before its workers begin (NeMo-RL's) writes it first, so that the
+daemon keeps those files for that run and removes any other run's."""
 
 
 def default_socket_path(env: Mapping[str, str] | None = None) -> str:

@@ -161,6 +161,9 @@ class Restore(_Request, frozen=True, tag="restore"):
     Every rank of run ``run`` gets the same step: on a root with a fast tier, one
     daemon decides once every node has said what its tier holds; elsewhere, the
     root's newest promoted step. ``timeout``: how long to wait for the other nodes.
+    ``driver``: asked by a job's driver, not a rank (NeMo-RL's): ``rank`` and
+    ``world_size`` are not the saves', a fast-tier step counts if this node holds every
+    rank's files of the world it was saved with (one node's job).
     """
 
     root: PathStr
@@ -169,6 +172,7 @@ class Restore(_Request, frozen=True, tag="restore"):
     local_world_size: WorldSize | None = None
     run: RunId | None = None
     timeout: Seconds = 60.0
+    driver: bool = False
 
 
 class Subscribe(_Request, frozen=True, tag="subscribe"):
