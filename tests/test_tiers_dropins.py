@@ -190,8 +190,8 @@ def test_nemo_rl_saves_into_the_fast_tier_and_resumes_from_the_daemons_decision(
 
     The driver's ``training_info.json`` and ``config.yaml``, written before its worker's
     ``begin`` (here two ranks of a real client naming the driver's run, as
-    ``AutomodelCheckpointManager`` does; the driver knows no world size), are kept, sealed into the node's part and
-    drained with the step. A new run's ``get_latest_checkpoint_path`` is the fast tier's
+    ``AutomodelCheckpointManager`` does; the driver knows no world size), are kept,
+    sealed into the node's part and drained with the step. A new run's ``get_latest_checkpoint_path`` is the fast tier's
     newest step; once the fast tier is wiped, the durable root's.
     """
     import msgspec
@@ -241,7 +241,6 @@ def test_nemo_rl_saves_into_the_fast_tier_and_resumes_from_the_daemons_decision(
         (stale / "training_info.json").write_text("{}")
         worker.save(str(root), 9, 0, 2, local_world_size=2).fail("not this test's step")
         assert not (stale / "training_info.json").exists()
-    client.close(timeout=5)
     daemon.wait_event("tier.drained", match=at(2), timeout=30)
     part = msgspec.json.decode((fast / "step_3" / ".ckptd-tier" / "part.json").read_bytes())
     assert sorted(f["path"] for f in part["unreported"]) == ["config.yaml", "training_info.json"]
@@ -253,13 +252,25 @@ def test_nemo_rl_saves_into_the_fast_tier_and_resumes_from_the_daemons_decision(
     for run, want in (("nemo-rl-b", fast / "step_3"), ("nemo-rl-c", durable)):
         if want == durable:
             wipe(fast)
+        client.close(timeout=5)
         manager, client = driver(run)
         found = manager.get_latest_checkpoint_path()
         assert found == str(want)
         assert manager.load_training_info(found) == {"step": int(want.name.split("_")[1])}
         event = daemon.wait_event("tier.restore", match=of_run(run))
         assert event["source"] == ("fast" if want.parent == fast else "durable")
-        client.close(timeout=5)
+    # Run c resumed from step 2 and saves step 3 again: the fast tier's is replaced.
+    with CheckpointClient(socket, run=manager.run) as worker:
+        path = manager.init_tmp_checkpoint(3, {"step": 33})
+        for rank in (0, 1):
+            handle = worker.save(str(root), 3, rank, 2, local_world_size=2)
+            assert handle.path == str(path)
+            (Path(handle.path) / f"shard{rank}.bin").write_bytes(b"c" * 8)
+            handle.add_files([FileEntry(f"shard{rank}.bin", 8)])
+            handle.seal()
+        manager.finalize_checkpoint(path)
+    client.close(timeout=5)
+    assert json_of(fast / "step_3" / "training_info.json") == {"step": 33}
 
 
 def json_of(path: Path) -> Any:

@@ -217,12 +217,19 @@ class CheckpointManager(Finalizer):
         Returns:
             The absolute path of ``tmp_step_N``.
 
+        On a root with a fast tier (its layout file names one), ``tmp_step_N`` is the
+        fast tier's, marked with this manager's :attr:`run` so that the daemon keeps
+        these files at the workers' first ``begin`` (``docs/tiers.md``).
+
         Raises:
             FileExistsError: with the daemon, ``step_N`` is already a complete
-                checkpoint (the daemon never replaces one).
+                checkpoint (the daemon never replaces one; not asked on a fast tier,
+                whose ``step_N`` of an earlier run a new run's save replaces).
         """
         save_dir = (self._fast or self.checkpoint_dir) / f"tmp_step_{step}"
-        if self._daemon is not None:
+        if self._daemon is not None and self._fast is None:
+            # A fast tier's step of another run is replaced by this run's: the daemon
+            # starts a new save of the step at the first begin naming this run.
             self._free(step)
         if save_dir.exists():
             began = time.monotonic()
