@@ -191,8 +191,9 @@ def test_nemo_rl_saves_into_the_fast_tier_and_resumes_from_the_daemons_decision(
     The driver's ``training_info.json`` and ``config.yaml``, written before its worker's
     ``begin`` (here two ranks of a real client naming the driver's run, as
     ``AutomodelCheckpointManager`` does; the driver knows no world size), are kept,
-    sealed into the node's part and drained with the step. A new run's ``get_latest_checkpoint_path`` is the fast tier's
-    newest step; once the fast tier is wiped, the durable root's.
+    sealed into the node's part and drained with the step. A new run's
+    ``get_latest_checkpoint_path`` is the fast tier's newest step; once the fast tier is
+    wiped, the durable root's; a run resumed from an older step saves a step again.
     """
     import msgspec
 
