@@ -31,7 +31,7 @@ from typing import Any
 from daemon import verify_checkpoint
 from daemon.store._verify import MANIFEST_NAME
 from tests._ranks import free_port, pump_lines, start_rank
-from tests._zygote import ForkedProcess
+from tests._zygote import ForkedProcess, zygote
 from tests.conftest import REPO, DaemonProcess, LineClient
 
 __all__ = [
@@ -130,9 +130,19 @@ class FaultDaemon(DaemonProcess):
         env.pop("CKPTD_SOCKET", None)
         if "CKPTD_CRASH_AT" not in self.env:
             env.pop("CKPTD_CRASH_AT", None)
-        self.proc = subprocess.Popen(
-            cmd + self.extra, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=REPO
-        )
+        # Forked from a process that imported the daemon once (tests/_zygote.py), as the
+        # suite's other daemons are: the campaigns start dozens.
+        forked = zygote("daemon")
+        if forked is not None:
+            self.proc = forked.spawn([*cmd[1:], *self.extra], env, REPO)
+        else:
+            self.proc = subprocess.Popen(
+                cmd + self.extra,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=REPO,
+            )
         self._pump_thread = threading.Thread(target=self._pump, args=(self.proc,), daemon=True)
         self._pump_thread.start()
         return self
