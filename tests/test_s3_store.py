@@ -233,6 +233,7 @@ class TestVerify:
             storage.scan_save(root, 6, 1, {0: ()}, attempt)
 
 
+@pytest.mark.slow  # eight racing daemons a store
 class TestCommitRace:
     """Of many daemons committing one step, exactly one wins; the rest stand down."""
 
@@ -261,6 +262,7 @@ class TestCommitRace:
         assert storage.read_pointer(root) == 9
 
 
+@pytest.mark.slow  # eight racing daemons a store
 class TestPointerRace:
     """``latest`` moves forward only, whatever order racing promotions reach it in."""
 

@@ -65,6 +65,7 @@ def world1() -> Iterator[None]:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # torchtitan's manager and real DCP saves, in this process
 @pytest.mark.usefixtures("world1")
 def test_torchtitan_resumes_from_the_fast_tier_then_the_durable_root(
     tmp_path: Path, short_dir: Path, start: Callable[..., DaemonProcess]
@@ -119,6 +120,7 @@ def test_torchtitan_resumes_from_the_fast_tier_then_the_durable_root(
         client.close(timeout=5)
 
 
+@pytest.mark.slow  # transformers' Trainer trained and resumed three times, in this process
 def test_transformers_resumes_from_the_fast_tier_then_the_durable_root(
     tmp_path: Path, short_dir: Path, start: Callable[..., DaemonProcess]
 ) -> None:

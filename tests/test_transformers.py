@@ -24,6 +24,10 @@ import pytest
 
 from tests.conftest import DaemonProcess
 
+# transformers' real Trainer, trained in this process (importing transformers and
+# accelerate: about 7 s of CPU): the slow tier, with the Trainer's multi-process loops.
+pytestmark = pytest.mark.slow
+
 Start = Callable[..., DaemonProcess]
 DAEMON_FILES = {".ckptd-layout.json", ".ckptd-trash", ".ckptd-retention", "latest", "best"}
 
