@@ -110,6 +110,19 @@ def serve(hf: ModuleType, tmp_path: Path, start: Start) -> Iterator[Callable[...
         client.close(timeout=5)
 
 
+def stopping_at(step: int, pid: int) -> type[Any]:
+    """A Trainer that SIGSTOPs process ``pid`` while saving ``step`` (its begin answered)."""
+    import transformers
+
+    class Stopping(transformers.Trainer):
+        def _save_rng_state(self, output_dir: str) -> None:
+            if self.state.global_step == step:
+                os.kill(pid, signal.SIGSTOP)
+            super()._save_rng_state(output_dir)
+
+    return Stopping
+
+
 def trainer(
     hf: ModuleType,
     worker: ModuleType,
@@ -349,13 +362,7 @@ class TestWithDaemon:
         served = serve(limit=None)
         assert served.daemon.proc is not None
         pid = served.daemon.proc.pid
-        import transformers
-
-        class Stalling(transformers.Trainer):
-            def _save_rng_state(self, output_dir: str) -> None:
-                if self.state.global_step == 2:  # begun and acknowledged: now stop it
-                    os.kill(pid, signal.SIGSTOP)
-                super()._save_rng_state(output_dir)
+        Stalling = stopping_at(2, pid)  # begun and acknowledged: now stop it
 
         made = trainer(
             hf, worker, served.out, 2, client=served.client, base=Stalling, save_total_limit=None
@@ -381,13 +388,7 @@ class TestWithDaemon:
         served = serve(limit=None)
         assert served.daemon.proc is not None
         pid = served.daemon.proc.pid
-        import transformers
-
-        class Stalling(transformers.Trainer):
-            def _save_rng_state(self, output_dir: str) -> None:
-                if self.state.global_step == 2:  # the best checkpoint, never promoted
-                    os.kill(pid, signal.SIGSTOP)
-                super()._save_rng_state(output_dir)
+        Stalling = stopping_at(2, pid)  # the best checkpoint, never promoted
 
         made = trainer(
             hf,
